@@ -1,0 +1,514 @@
+"""The node agent: joins rounds, starts and watches the local workers, and reacts to every change.
+
+One agent runs per node.  Its loop::
+
+    while True:
+        result = rendezvous.next_round(node)      # blocks until a worker group is formed
+        start nproc workers with the round's ranks
+        watch them (pidfds, woken the moment one exits) and the rendezvous (every monitor interval)
+        on success: exit barrier, exit 0
+        on a local failure: kill the local group, record the failure, go round again
+        on a change elsewhere (node lost, node waiting, another node's failure): kill, go round again
+        on a job abort (budget spent): print the root cause, exit 1
+        on SIGTERM/SIGINT/...: forward, wait the grace period, kill the rest, leave, exit 128+signal
+
+Workers are stopped with SIGKILL on restarts (recovery speed; committed state lives outside the
+worker), and with the received signal plus a grace period when the agent itself is told to stop.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from elastrun.agent.console import Console
+from elastrun.config import LaunchConfig, Std
+from elastrun.observe.events import EventLog
+from elastrun.rendezvous.api import (
+    FailureRecord,
+    JobFailedError,
+    JobFinishedError,
+    NodeInfo,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousTimeoutError,
+    RoundResult,
+)
+from elastrun.rendezvous.rounds import format_failure
+from elastrun.workers.api import ExitStatus, WorkerHandle, WorkerLaunch, WorkerStarter
+from elastrun.workers.env import worker_environment
+from elastrun.workers.errorfile import read_error_file
+from elastrun.workers.logs import tail_text
+from elastrun.workers.spawn import error_file_path
+
+#: Signals the agent forwards to its workers before stopping.
+FORWARDED_SIGNALS = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+
+
+class Outcome(Enum):
+    """How one worker group ended."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    MEMBERSHIP = "membership"
+    ABORTED = "aborted"
+    SIGNALED = "signaled"
+
+
+class AgentStopped(Exception):
+    """Raised from the signal handler to leave a blocking rendezvous when the agent must stop."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclass
+class GroupEnd:
+    outcome: Outcome
+    failure: FailureRecord | None = None
+    reason: str = ""
+    detected_at: float = 0.0
+
+
+def make_node_id() -> str:
+    """A readable id, unique per agent process: ``host-pid-xxxx``."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+class LocalAgent:
+    """Runs one node's share of a job.  ``run()`` returns the agent's exit code.
+
+    Example (what ``elastrun.launcher.run`` does)::
+
+        handler = registry.create_handler(params)
+        agent = LocalAgent(config, handler, ExecStarter(), base_env=dict(os.environ))
+        exit_code = agent.run()
+    """
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        handler: RendezvousHandler,
+        starter: WorkerStarter,
+        base_env: dict[str, str] | None = None,
+        node_id: str | None = None,
+        console: Console | None = None,
+    ) -> None:
+        self.config = config
+        self.handler = handler
+        self.starter = starter
+        self.base_env = dict(base_env if base_env is not None else os.environ)
+        self.node_id = node_id or make_node_id()
+        self.hostname = socket.gethostname()
+        self.console = console or Console(self.node_id, quiet=config.quiet, verbose=config.verbose)
+        self.log_dir = Path(config.log_dir) if config.log_dir else None
+        self._tmp_dir = Path(tempfile.mkdtemp(prefix="elastrun-agent-"))
+        self.error_dir = self.log_dir if self.log_dir is not None else self._tmp_dir
+        self.snapshot_dir = self._make_snapshot_dir()
+        events_path = self.log_dir / f"events-{self.node_id}.jsonl" if self.log_dir else None
+        self.events = EventLog(self.node_id, events_path, sys.stdout if config.event_log_stdout else None)
+        self.workers: list[WorkerHandle] = []
+        self.result: RoundResult | None = None
+        self._pending_signal: int | None = None
+        self._in_rendezvous = False
+        self._fault_at: float | None = None
+        self._fault_reason = ""
+        self._prev_world: int | None = None
+
+    # ------------------------------------------------------------------ set-up and tear-down
+    def _make_snapshot_dir(self) -> Path:
+        base = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else self._tmp_dir
+        path = base / f"elastrun-{self.config.run_id}-{self.node_id}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _install_signal_handlers(self) -> dict[int, object]:
+        previous = {}
+        for sig in FORWARDED_SIGNALS:
+            previous[sig] = signal.signal(sig, self._on_signal)
+        return previous
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if self._pending_signal is None:
+            self._pending_signal = signum
+        if self._in_rendezvous:
+            self._in_rendezvous = False
+            raise AgentStopped(signum)
+
+    def run(self) -> int:
+        """Run until the job ends for this node; returns the exit code (0, 1, or 128+signal)."""
+        previous = self._install_signal_handlers()
+        self.events.emit(
+            "agent_start",
+            run_id=self.config.run_id,
+            backend=self.config.rdzv_backend,
+            min_nodes=self.config.min_nodes,
+            max_nodes=self.config.max_nodes,
+            nproc=self.config.nproc_per_node,
+            pid=os.getpid(),
+            hostname=self.hostname,
+        )
+        code = 1
+        reason = ""
+        try:
+            code, reason = self._run()
+        except AgentStopped as stop:
+            code, reason = 128 + stop.signum, f"stopped by {signal.Signals(stop.signum).name}"
+            self.events.emit("signal", signal=signal.Signals(stop.signum).name, action="left during rendezvous")
+            self._leave(reason)
+        finally:
+            self._kill_workers()
+            try:
+                self.handler.close()
+            except Exception as exc:
+                self.console.debug(f"rendezvous close failed: {exc}")
+            self.starter.close()
+            shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+            shutil.rmtree(self._tmp_dir, ignore_errors=True)
+            self.events.emit("agent_exit", exitcode=code, reason=reason)
+            self.events.close()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
+        return code
+
+    def _leave(self, reason: str) -> None:
+        try:
+            self.handler.leave(reason)
+        except RendezvousError as exc:
+            self.console.debug(f"could not leave the rendezvous cleanly: {exc}")
+
+    # ------------------------------------------------------------------ main loop
+    def _node_info(self) -> NodeInfo:
+        addr = getattr(self.handler, "local_addr", None) or self.config.local_addr or self.hostname
+        return NodeInfo(
+            node_id=self.node_id,
+            addr=addr,
+            nproc=self.config.nproc_per_node,
+            role=self.config.role,
+            hostname=self.hostname,
+            pid=os.getpid(),
+            fixed_rank=self.config.node_rank if self.config.rdzv_backend == "static" else -1,
+        )
+
+    def _run(self) -> tuple[int, str]:
+        node = self._node_info()
+        while True:
+            if self._pending_signal is not None:
+                return 128 + self._pending_signal, f"stopped by {signal.Signals(self._pending_signal).name}"
+            try:
+                result = self._rendezvous(node)
+            except JobFailedError as exc:
+                self.console.error(exc.summary or str(exc))
+                self.events.emit("job_failed", reason=exc.summary or str(exc))
+                return 1, "job failed"
+            except JobFinishedError as exc:
+                self.console.info(str(exc))
+                return 0, "job already finished"
+            except RendezvousTimeoutError as exc:
+                self.console.error(str(exc))
+                self.events.emit("job_failed", reason=str(exc))
+                return 1, "rendezvous timeout"
+            except RendezvousConnectionError as exc:
+                self.console.error(str(exc))
+                self.events.emit("job_failed", reason=str(exc))
+                return 1, "rendezvous lost"
+            self._start_workers(result)
+            end = self._monitor(result)
+            if end.outcome is Outcome.SUCCEEDED:
+                if result.group_world_size > 1:
+                    self.console.info(f"all {len(self.workers)} local worker(s) finished; waiting for the other nodes")
+                try:
+                    all_done = self.handler.finish(self.config.exit_barrier_timeout)
+                except RendezvousError as exc:
+                    self.console.warn(f"exit barrier skipped: {exc}")
+                    all_done = False
+                if not all_done:
+                    self.console.info("not every node finished with this one; this node's work is done")
+                return 0, "succeeded"
+            if end.outcome is Outcome.SIGNALED:
+                assert self._pending_signal is not None
+                return 128 + self._pending_signal, end.reason
+            if end.outcome is Outcome.ABORTED:
+                self.console.error(end.reason)
+                self.events.emit("job_failed", reason=end.reason)
+                return 1, "job failed"
+            if end.outcome is Outcome.FAILED and end.failure is not None:
+                self._report_failure(end.failure)
+            self._fault_at = end.detected_at
+            self._fault_reason = end.reason
+
+    def _rendezvous(self, node: NodeInfo) -> RoundResult:
+        self.events.emit("round_start", after=self.result.round if self.result else None)
+        self._in_rendezvous = True
+        try:
+            if self._pending_signal is not None:
+                raise AgentStopped(self._pending_signal)
+            result = self.handler.next_round(node)
+        finally:
+            self._in_rendezvous = False
+        self.result = result
+        ordered = sorted(result.members, key=lambda m: m.group_rank)
+        members = [f"{m.node_id} ({m.addr}) #{m.group_rank}" for m in ordered]
+        self.events.emit(
+            "round_closed",
+            round=result.round,
+            generation=result.generation,
+            group_rank=result.group_rank,
+            group_world_size=result.group_world_size,
+            world_size=result.world_size,
+            members=[m.node_id for m in result.members],
+            duration=round(result.duration, 4),
+            restarts_used=result.restarts_used,
+            max_restarts=result.max_restarts,
+        )
+        if self._prev_world is not None and self._prev_world != result.world_size:
+            self.events.emit("scale_change", old_world_size=self._prev_world, new_world_size=result.world_size)
+        self._prev_world = result.world_size
+        if result.lost_nodes:
+            self.events.emit("node_lost", round=result.round, lost=result.lost_nodes)
+        lost = f"; node(s) lost since the last round: {', '.join(result.lost_nodes)}" if result.lost_nodes else ""
+        self.console.info(
+            f"round {result.round} formed in {result.duration:.2f} s: {result.group_world_size} node(s), "
+            f"world size {result.world_size}, this node is group rank {result.group_rank} "
+            f"(ranks {result.rank_offset}-{result.rank_offset + self.config.nproc_per_node - 1}); "
+            f"restarts used {result.restarts_used}/{result.max_restarts}{lost}",
+            detail=", ".join(members),
+        )
+        return result
+
+    # ------------------------------------------------------------------ workers
+    def _streams_for(self, local_rank: int) -> tuple[Std, Std]:
+        def pick(mapping: dict[int, Std]) -> Std:
+            return mapping.get(local_rank, mapping.get(-1, Std.NONE))
+
+        return pick(self.config.redirects), pick(self.config.tee)
+
+    def _launch_for(self, result: RoundResult, local_rank: int) -> WorkerLaunch:
+        rank = result.rank_offset + local_rank
+        error_file = error_file_path(self.error_dir, result.generation, rank)
+        error_file.parent.mkdir(parents=True, exist_ok=True)
+        if error_file.exists():
+            error_file.unlink()
+        env = worker_environment(
+            self.base_env,
+            result=result,
+            local_rank=local_rank,
+            nproc=self.config.nproc_per_node,
+            role=self.config.role,
+            run_id=self.config.run_id,
+            max_restarts=self.config.max_restarts,
+            node_id=self.node_id,
+            error_file=str(error_file),
+            snapshot_dir=str(self.snapshot_dir),
+        )
+        redirect, tee = self._streams_for(local_rank)
+        files = redirect | tee
+        log_base = (self.log_dir or self._tmp_dir) / f"attempt_{result.generation}" / f"rank_{rank}"
+        shown = self.config.local_ranks_filter is None or local_rank in self.config.local_ranks_filter
+        return WorkerLaunch(
+            local_rank=local_rank,
+            rank=rank,
+            argv=self._worker_argv(),
+            env=env,
+            cwd=os.getcwd(),
+            stdout_path=log_base / "stdout.log" if files & Std.OUT else None,
+            stderr_path=log_base / "stderr.log" if files & Std.ERR else None,
+            tee_stdout=bool(tee & Std.OUT),
+            tee_stderr=bool(tee & Std.ERR),
+            console_prefix=f"[node{result.group_rank} rank{rank}]: ",
+            show_on_console=shown,
+            error_file=error_file,
+            python_target=None if self.config.no_python else self.config.entrypoint,
+            python_module=self.config.module,
+            python_args=list(self.config.args),
+        )
+
+    def _worker_argv(self) -> list[str]:
+        if self.config.run_path and not (self.config.module or self.config.no_python):
+            code = (
+                "import runpy,sys;sys.argv=sys.argv[1:];"
+                "runpy.run_path(sys.argv[0],run_name='__main__')"
+            )
+            return [sys.executable, "-u", "-c", code, self.config.entrypoint, *self.config.args]
+        return self.config.worker_argv(sys.executable)
+
+    def _start_workers(self, result: RoundResult) -> None:
+        self.workers = []
+        for local_rank in range(self.config.nproc_per_node):
+            launch = self._launch_for(result, local_rank)
+            handle = self.starter.start(launch)
+            self.workers.append(handle)
+            self.events.emit(
+                "worker_start",
+                round=result.round,
+                generation=result.generation,
+                rank=launch.rank,
+                local_rank=local_rank,
+                pid=handle.pid,
+                start_method=self.starter.name,
+            )
+        if self._fault_at is not None:
+            took = time.monotonic() - self._fault_at
+            self.events.emit("recovered", round=result.round, reason=self._fault_reason, duration=round(took, 4))
+            self.console.info(f"recovered from {self._fault_reason} in {took:.2f} s (workers restarted)")
+            self._fault_at = None
+
+    def _monitor(self, result: RoundResult) -> GroupEnd:
+        interval = self.config.monitor_interval
+        statuses: dict[int, ExitStatus] = {}
+        next_poll = time.monotonic() + interval
+        while True:
+            if self._pending_signal is not None:
+                return self._stop_for_signal(self._pending_signal)
+            running = [h for h in self.workers if h.launch.local_rank not in statuses]
+            timeout = max(0.0, next_poll - time.monotonic())
+            if running:
+                try:
+                    select.select([h.fileno() for h in running], [], [], timeout)
+                except InterruptedError:
+                    pass
+            else:
+                time.sleep(timeout)
+            for handle in running:
+                status = handle.poll()
+                if status is not None:
+                    statuses[handle.launch.local_rank] = status
+                    self._worker_exited(result, handle, status)
+            failed = [(h, statuses[h.launch.local_rank]) for h in self.workers
+                      if h.launch.local_rank in statuses and not statuses[h.launch.local_rank].succeeded]
+            if failed:
+                detected = time.monotonic()
+                self._kill_workers()
+                failure = self._failure_record(result, failed)
+                how = f"killed by {failure.signal}" if failure.signal else f"exit code {failure.exitcode}"
+                self.console.error(
+                    f"rank {failure.rank} failed ({how}); stopping the local workers and starting a new round"
+                )
+                return GroupEnd(Outcome.FAILED, failure, f"the failure of rank {failure.rank}", detected)
+            if len(statuses) == len(self.workers):
+                return GroupEnd(Outcome.SUCCEEDED)
+            if time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + interval
+                try:
+                    change = self.handler.poll()
+                except RendezvousConnectionError as exc:
+                    self._kill_workers()
+                    return GroupEnd(Outcome.ABORTED, reason=str(exc))
+                if change.aborted:
+                    self._kill_workers()
+                    return GroupEnd(Outcome.ABORTED, reason=change.aborted)
+                if change.restart_needed:
+                    detected = time.monotonic()
+                    self._kill_workers()
+                    reason = self._describe_change(change)
+                    self.console.info(f"{reason}: stopping the local workers for a new round")
+                    if change.nodes_waiting:
+                        self.events.emit("nodes_waiting", round=result.round, count=change.nodes_waiting)
+                    self.events.emit("restart", round=result.round, reason=reason,
+                                     restarts_used=result.restarts_used, max_restarts=result.max_restarts)
+                    return GroupEnd(Outcome.MEMBERSHIP, reason=reason, detected_at=detected)
+
+    @staticmethod
+    def _describe_change(change) -> str:
+        if change.lost_nodes:
+            return f"node(s) lost: {', '.join(change.lost_nodes)}"
+        if change.nodes_waiting:
+            return f"{change.nodes_waiting} node(s) waiting to join"
+        return "another node asked for a new round"
+
+    def _worker_exited(self, result: RoundResult, handle: WorkerHandle, status: ExitStatus) -> None:
+        self.events.emit(
+            "worker_exit",
+            round=result.round,
+            generation=result.generation,
+            rank=handle.launch.rank,
+            local_rank=handle.launch.local_rank,
+            pid=handle.pid,
+            exitcode=status.exitcode,
+            signal=status.signal_name,
+        )
+
+    def _failure_record(self, result: RoundResult, failed: list[tuple[WorkerHandle, ExitStatus]]) -> FailureRecord:
+        records = []
+        for handle, status in failed:
+            from_file = read_error_file(handle.launch.error_file)
+            if from_file is not None:
+                message = from_file[0]
+            else:
+                pump = getattr(handle, "stderr_pump", None)
+                handle.close()
+                message = tail_text(pump, handle.launch.stderr_path)
+            records.append(
+                FailureRecord(
+                    node_id=self.node_id,
+                    hostname=self.hostname,
+                    rank=handle.launch.rank,
+                    local_rank=handle.launch.local_rank,
+                    exitcode=status.exitcode,
+                    signal=status.signal_name,
+                    timestamp=status.timestamp,
+                    message=message[-8000:],
+                )
+            )
+        first = min(records, key=lambda r: (r.timestamp, r.rank))
+        self.events.emit(
+            "worker_failure",
+            round=result.round,
+            generation=result.generation,
+            rank=first.rank,
+            local_rank=first.local_rank,
+            exitcode=first.exitcode,
+            signal=first.signal,
+            message=first.message[-2000:],
+        )
+        if self.config.verbose:
+            self.console.error(format_failure(first))
+        return first
+
+    def _report_failure(self, failure: FailureRecord) -> None:
+        try:
+            self.handler.report_failure(failure)
+        except RendezvousError as exc:
+            self.console.warn(f"could not record the failure in the rendezvous: {exc}")
+
+    def _stop_for_signal(self, signum: int) -> GroupEnd:
+        name = signal.Signals(signum).name
+        grace = self.config.stop_timeout
+        self.console.info(f"received {name}: forwarding it to the workers, {grace:g} s before SIGKILL")
+        self.events.emit("signal", signal=name, action="forward", grace=grace)
+        for handle in self.workers:
+            handle.send_signal(signum)
+        deadline = time.monotonic() + grace
+        for handle in self.workers:
+            handle.wait(max(0.0, deadline - time.monotonic()))
+        self._kill_workers()
+        self._leave(f"stopped by {name}")
+        return GroupEnd(Outcome.SIGNALED, reason=f"stopped by {name}")
+
+    def _kill_workers(self) -> None:
+        """SIGKILL every worker's process group and reap them."""
+        for handle in self.workers:
+            if handle.poll() is None:
+                handle.send_signal(signal.SIGKILL)
+        for handle in self.workers:
+            handle.wait(5.0)
+            handle.close()

@@ -1,0 +1,863 @@
+"""The ``elastrun`` command line: torchrun's flags, read and checked, turned into a LaunchConfig.
+
+Usage is torchrun's, so that switching is a one-word change::
+
+    elastrun [launcher flags] SCRIPT [script args]
+    elastrun [launcher flags] -m MODULE [module args]
+    elastrun [launcher flags] --no-python PROGRAM [program args]
+    elastrun status|timeline ...            (observation tools, see elastrun.observe)
+
+Everything after SCRIPT belongs to the script, even words that look like launcher flags.  Every
+flag has both spellings (``--nproc-per-node`` and ``--nproc_per_node``) and can also come from a
+``PET_<NAME>`` environment variable (what Kubeflow's PyTorchJob sets); a flag on the command line
+wins over the variable, which wins over the default.
+
+The parser is our own rather than argparse: its errors are one line naming the flag or variable
+the bad value came from, it never mistakes a script argument for a launcher option (argparse's
+prefix matching does), and it keeps start-up cheap (no torch, nothing from the launcher).  Every
+check happens here, before anything starts, so a mistake costs one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from elastrun.config import (
+    DEFAULT_EXIT_BARRIER_TIMEOUT,
+    DEFAULT_MASTER_PORT,
+    DEFAULT_RDZV_PORT,
+    DEFAULT_STOP_TIMEOUT,
+    LaunchConfig,
+    Std,
+)
+from elastrun.errors import UsageError
+
+PROG = "elastrun"
+#: First words that select an observation tool instead of a launch.
+SUBCOMMANDS = ("status", "timeline")
+START_METHODS = ("spawn", "fork", "forkserver")
+#: Backends whose endpoint is a comma-separated list of etcd members.
+ETCD_BACKENDS = ("etcd", "etcd-v3")
+DEFAULT_ETCD_PORT = 2379
+#: Backends whose endpoint syntax is checked here; a third-party backend checks its own.
+CHECKED_BACKENDS = ("c10d", "static", *ETCD_BACKENDS)
+#: The signals the agent always forwards to its workers.
+FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+
+_TRUE_WORDS = ("1", "true", "yes")
+_FALSE_WORDS = ("0", "false", "no")
+_HOST_RE = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+class HelpRequested(Exception):
+    """``-h``/``--help`` or ``--version`` was given; :func:`main` prints ``text`` and exits 0."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One launcher flag: its names, where its value lands and how ``--help`` documents it.
+
+    ``metavar`` is None for a switch (a flag without a value).  ``default`` is the raw value used
+    when neither the command line nor the environment sets the flag.
+    """
+
+    names: tuple[str, ...]
+    dest: str
+    metavar: str | None
+    default: str | None
+    help: str
+    group: str = ""
+    #: Environment variables read after ``PET_<DEST>``.
+    extra_env: tuple[str, ...] = ()
+    #: torchrun accepts it; elastrun does not act on it and warns when it is set.
+    ignored: bool = False
+
+    @property
+    def is_switch(self) -> bool:
+        return self.metavar is None
+
+    @property
+    def env_names(self) -> tuple[str, ...]:
+        return (f"PET_{self.dest.upper()}", *self.extra_env)
+
+    @property
+    def spellings(self) -> tuple[str, ...]:
+        """Every accepted name: each long name with dashes and with underscores."""
+        out = list(self.names)
+        out += ["--" + n[2:].replace("-", "_") for n in self.names if n.startswith("--") and "-" in n[2:]]
+        return tuple(out)
+
+
+def _group(title: str, *flags: Flag) -> tuple[Flag, ...]:
+    return tuple(dataclasses.replace(flag, group=title) for flag in flags)
+
+
+# fmt: off
+FLAGS: tuple[Flag, ...] = (
+    *_group("Nodes and workers",
+        Flag(("--nnodes",), "nnodes", "N|MIN:MAX", "1:1",
+             "Number of nodes: N, or MIN:MAX for an elastic job."),
+        Flag(("--nproc-per-node",), "nproc_per_node", "N|auto|cpu|gpu", "1",
+             "Workers per node: a positive integer, gpu (one per visible GPU), cpu (one per usable CPU) "
+             "or auto (gpu when the installed torch can use a GPU here, else cpu)."),
+    ),
+    *_group("Rendezvous",
+        Flag(("--rdzv-backend",), "rdzv_backend", "NAME", "static",
+             "Rendezvous backend: c10d, static, etcd, etcd-v3 or one a package registers."),
+        Flag(("--rdzv-endpoint",), "rdzv_endpoint", "HOST[:PORT]", "",
+             f"Rendezvous endpoint; the port is {DEFAULT_RDZV_PORT} when left out, IPv6 is written "
+             f"[ADDR]:PORT, the etcd backends take members H1:2379,H2:2379. c10d with no endpoint "
+             f"uses localhost:{DEFAULT_RDZV_PORT}."),
+        Flag(("--rdzv-id",), "rdzv_id", "ID", "none", "Job id, the same on every node of a job."),
+        Flag(("--rdzv-conf",), "rdzv_conf", "K=V,...", "",
+             "Backend settings, e.g. join_timeout=600,last_call_timeout=1."),
+        Flag(("--standalone",), "standalone", None, None,
+             "One-node job with its own c10d rendezvous on a free local port and a random run id; "
+             "--rdzv-backend/--rdzv-endpoint/--rdzv-id given with it are ignored (with a warning)."),
+    ),
+    *_group("Workers, restarts and signals",
+        Flag(("--max-restarts",), "max_restarts", "N", "0",
+             "Worker-group restarts allowed for the whole job (torchrun counts them per node); a "
+             "node joining or leaving does not spend one."),
+        Flag(("--monitor-interval",), "monitor_interval", "SECONDS", "0.1",
+             "How often the workers' state is checked."),
+        Flag(("--start-method",), "start_method", "METHOD", "spawn",
+             "How workers are started: spawn, fork or forkserver."),
+        Flag(("--role",), "role", "NAME", "default", "Role name of this node's workers (ROLE_NAME)."),
+        Flag(("--stop-timeout", "--shutdown-timeout"), "stop_timeout", "SECONDS", f"{DEFAULT_STOP_TIMEOUT:g}",
+             "Grace period between forwarding a signal to the workers and SIGKILL (torchrun: 30).",
+             extra_env=("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")),
+        Flag(("--exit-barrier-timeout",), "exit_barrier_timeout", "SECONDS",
+             f"{DEFAULT_EXIT_BARRIER_TIMEOUT:g}", "How long a node that finished waits for the others."),
+    ),
+    *_group("What the workers run",
+        Flag(("-m", "--module"), "module", None, None, "SCRIPT is a module name, run like 'python -m'."),
+        Flag(("--no-python",), "no_python", None, None, "SCRIPT is a program, run without 'python'."),
+        Flag(("--run-path",), "run_path", None, None,
+             "Run SCRIPT with runpy.run_path inside the worker's interpreter."),
+    ),
+    *_group("Logs",
+        Flag(("--log-dir",), "log_dir", "DIR", None,
+             "Directory for per-attempt, per-rank log files (default: a temporary directory)."),
+        Flag(("-r", "--redirects"), "redirects", "SPEC", "0",
+             "Worker streams that go to log files only: 0 none, 1 stdout, 2 stderr, 3 both, for every "
+             "local rank, or per rank as LOCAL_RANK:VALUE,... (e.g. 0:1,1:2)."),
+        Flag(("-t", "--tee"), "tee", "SPEC", "0",
+             "Worker streams that go to log files and the console (syntax of --redirects)."),
+        Flag(("--local-ranks-filter",), "local_ranks_filter", "R,R,...", None,
+             "Show only these local ranks on the console, e.g. 0,2 (log files keep all)."),
+    ),
+    *_group("Static rendezvous",
+        Flag(("--node-rank",), "node_rank", "N", "0", "This node's rank, in [0, nnodes) (static only)."),
+        Flag(("--master-addr",), "master_addr", "HOST", "127.0.0.1",
+             "Address of the node of rank 0 (static only)."),
+        Flag(("--master-port",), "master_port", "PORT", None,
+             f"Port of the node of rank 0 (static only). Default {DEFAULT_MASTER_PORT}, except for a "
+             "one-node job with no --rdzv-backend: there the agent binds a free port and holds it, so "
+             f"jobs sharing a host never collide on {DEFAULT_MASTER_PORT}."),
+        Flag(("--local-addr",), "local_addr", "HOST", None,
+             "Address other nodes use to reach this one (default: looked up from the host name)."),
+    ),
+    *_group("elastrun only",
+        Flag(("--preload",), "preload", "MOD,...", None,
+             "Modules the warm worker pool imports ahead of time, e.g. torch,numpy."),
+        Flag(("--event-log-stdout",), "event_log_stdout", None, None,
+             "Also print the JSON-lines event log on stdout."),
+        Flag(("--metrics-port",), "metrics_port", "PORT", None, "Serve metrics on this port (default: off)."),
+        Flag(("--hang-timeout",), "hang_timeout", "SECONDS", None,
+             "Restart the workers when none has reported progress for this long (default: off)."),
+        Flag(("--startup-timeout",), "startup_timeout", "SECONDS", None,
+             "Fail a worker that has not started within this long (default: off)."),
+        Flag(("-q", "--quiet"), "quiet", None, None, "Print only errors and the failure summary."),
+        Flag(("-v", "--verbose"), "verbose", None, None, "Print the agent's debug messages."),
+        Flag(("-h", "--help"), "help", None, None, "Show this help and exit."),
+        Flag(("--version",), "version", None, None, "Show elastrun's version and exit."),
+    ),
+    *_group("torchrun flags accepted and ignored (a warning says so when one is set)",
+        Flag(("--signals-to-handle",), "signals_to_handle", "SIG,...", ",".join(FORWARDED_SIGNALS),
+             "elastrun always forwards all of these.", ignored=True),
+        Flag(("--event-log-handler",), "event_log_handler", "NAME", "null",
+             "See --event-log-stdout.", ignored=True),
+        Flag(("--logs-specs",), "logs_specs", "NAME", None, "", ignored=True),
+        Flag(("--numa-binding",), "numa_binding", "MODE", None, "", ignored=True),
+        Flag(("--duplicate-stdout-filters",), "duplicate_stdout_filters", "WORD,...", None, "", ignored=True),
+        Flag(("--duplicate-stderr-filters",), "duplicate_stderr_filters", "WORD,...", None, "", ignored=True),
+        Flag(("--virtual-local-rank",), "virtual_local_rank", None, None, "", ignored=True),
+    ),
+)
+# fmt: on
+
+_BY_NAME: dict[str, Flag] = {name: flag for flag in FLAGS for name in flag.spellings}
+_BY_DEST: dict[str, Flag] = {flag.dest: flag for flag in FLAGS}
+_NO_ENV = ("help", "version")
+
+
+# --------------------------------------------------------------------------------------------
+# Reading argv and the environment
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Value:
+    """A raw flag value and where it came from (for error messages)."""
+
+    raw: str | bool
+    source: str  # the flag as typed ("--nnodes", "-r"), the variable ("PET_NNODES"), or "default"
+
+    @property
+    def given(self) -> bool:
+        return self.source != "default"
+
+    @property
+    def from_cli(self) -> bool:
+        return self.source.startswith("-")
+
+
+def _tokenize(argv: Sequence[str]) -> tuple[dict[str, _Value], list[str]]:
+    """Split argv into launcher flags and the entry point with its arguments.
+
+    The first word that is not a flag (or the word after ``--``) is the entry point; everything
+    after it is passed on untouched.  Accepted forms: ``--flag VALUE``, ``--flag=VALUE``,
+    ``-r VALUE``, ``-r3``, ``-r=3`` and bundled switches such as ``-qm``.
+    """
+    given: dict[str, _Value] = {}
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-":
+        arg = argv[i]
+        i += 1
+        if arg == "--":
+            break
+        if arg.startswith("--"):
+            name, eq, attached = arg.partition("=")
+            flag = _lookup(name)
+            if flag.is_switch and eq:
+                raise UsageError(f"{name} is a switch and takes no value; give {name} alone")
+            if flag.is_switch:
+                given[flag.dest] = _Value(True, name)
+            elif eq:
+                given[flag.dest] = _Value(attached, name)
+            else:
+                given[flag.dest] = _Value(_next_value(argv, i, name), name)
+                i += 1
+            continue
+        for j in range(1, len(arg)):
+            name = "-" + arg[j]
+            flag = _lookup(name)
+            if flag.is_switch:
+                given[flag.dest] = _Value(True, name)
+                continue
+            attached = arg[j + 1 :]
+            if attached:
+                given[flag.dest] = _Value(attached[1:] if attached.startswith("=") else attached, name)
+            else:
+                given[flag.dest] = _Value(_next_value(argv, i, name), name)
+                i += 1
+            break
+    return given, list(argv[i:])
+
+
+def _lookup(name: str) -> Flag:
+    flag = _BY_NAME.get(name)
+    if flag is not None:
+        return flag
+    import difflib
+
+    def shared_prefix(other: str) -> int:
+        return len(os.path.commonprefix([name, other]))
+
+    # A long shared prefix ("--nprocs" / "--nproc-per-node") beats difflib's overall similarity.
+    best = max(_BY_NAME, key=shared_prefix)
+    close = [best] if shared_prefix(best) >= 6 else difflib.get_close_matches(name, list(_BY_NAME), n=1)
+    hint = f"did you mean {close[0]}?" if close else f"see '{PROG} --help' for the flags"
+    raise UsageError(f"unknown option {name}; {hint}")
+
+
+def _next_value(argv: Sequence[str], i: int, name: str) -> str:
+    if i >= len(argv):
+        raise UsageError(f"{name} needs a value; see '{PROG} --help'")
+    if argv[i].partition("=")[0] in _BY_NAME:
+        raise UsageError(f"{name} needs a value, got the option {argv[i]}; give {name}=VALUE")
+    return argv[i]
+
+
+def _env_bool(name: str, text: str) -> bool:
+    word = text.strip().lower()
+    if word in _TRUE_WORDS:
+        return True
+    if word in _FALSE_WORDS:
+        return False
+    raise UsageError(f"{name}={text!r} is not a boolean; use 1/true/yes or 0/false/no")
+
+
+class _Settings:
+    """Every flag's raw value (command line, then ``PET_<NAME>``, then default) and typed readers.
+
+    The readers raise :class:`UsageError` naming the flag or variable the value came from.  An
+    environment variable that is empty counts as unset.
+    """
+
+    def __init__(self, given: dict[str, _Value], environ: Mapping[str, str]) -> None:
+        self.values: dict[str, _Value] = {}
+        for flag in FLAGS:
+            value = given.get(flag.dest)
+            if value is None and flag.dest not in _NO_ENV:
+                for env_name in flag.env_names:
+                    text = environ.get(env_name, "").strip()
+                    if text:
+                        value = _Value(_env_bool(env_name, text) if flag.is_switch else text, env_name)
+                        break
+            if value is None:
+                value = _Value(False if flag.is_switch else (flag.default or ""), "default")
+            self.values[flag.dest] = value
+
+    def given(self, dest: str) -> bool:
+        return self.values[dest].given
+
+    def from_cli(self, dest: str) -> bool:
+        return self.values[dest].from_cli
+
+    def on(self, dest: str) -> bool:
+        return self.values[dest].raw is True
+
+    def text(self, dest: str) -> str:
+        raw = self.values[dest].raw
+        return raw.strip() if isinstance(raw, str) else ""
+
+    def label(self, dest: str) -> str:
+        """How a message names the value: ``--nnodes=3:1``, ``-r 0:9``, ``PET_NNODES=3:1``."""
+        value = self.values[dest]
+        where = value.source if value.given else _BY_DEST[dest].names[-1]
+        if isinstance(value.raw, bool):
+            return where
+        return f"{where} {value.raw}" if len(where) == 2 else f"{where}={value.raw}"
+
+    def int(self, dest: str, lo: int, hi: int | None, allowed: str) -> int:
+        return _int(self.label(dest), self.text(dest), lo, hi, allowed)
+
+    def seconds(self, dest: str, allowed: str, *, positive: bool = False) -> float:
+        return _seconds(self.label(dest), self.text(dest), allowed, positive=positive)
+
+    def optional_seconds(self, dest: str) -> float | None:
+        if not self.text(dest):
+            return None
+        allowed = "use seconds > 0, or leave the flag out to turn the check off"
+        return self.seconds(dest, allowed, positive=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Checking single values
+# --------------------------------------------------------------------------------------------
+
+
+def _int(label: str, text: str, lo: int, hi: int | None, allowed: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise UsageError(f"{label} is not an integer; {allowed}") from None
+    if value < lo or (hi is not None and value > hi):
+        raise UsageError(f"{label} is out of range; {allowed}")
+    return value
+
+
+def _seconds(label: str, text: str, allowed: str, *, positive: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{label} is not a number of seconds; {allowed}") from None
+    if not 0 <= value < float("inf") or (positive and value == 0):
+        raise UsageError(f"{label} is out of range; {allowed}")
+    return value
+
+
+def parse_nnodes(label: str, text: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` → ``(min_nodes, max_nodes)`` with ``1 <= MIN <= MAX``."""
+    allowed = "use N or MIN:MAX with 1 <= MIN <= MAX, e.g. --nnodes=2 or --nnodes=1:4"
+    parts = text.strip().split(":")
+    if len(parts) > 2 or not all(part.strip().isdigit() for part in parts):
+        raise UsageError(f"{label} is not a node count; {allowed}")
+    low, high = int(parts[0]), int(parts[-1])
+    if low < 1:
+        raise UsageError(f"{label}: a job needs at least 1 node; {allowed}")
+    if low > high:
+        raise UsageError(f"{label}: MIN ({low}) is greater than MAX ({high}); {allowed}")
+    return low, high
+
+
+def parse_std_spec(label: str, text: str) -> dict[int, Std]:
+    """torchrun's ``--redirects``/``--tee`` syntax → ``{local_rank: Std}``.
+
+    A single value (``"3"``) applies to every local rank and is stored under the key ``-1``;
+    ``"0:1,1:2"`` names ranks one by one; ``"0"`` (nothing) gives an empty map.
+    """
+    allowed = "use 0-3 for every local rank (0 none, 1 stdout, 2 stderr, 3 both) or LOCAL_RANK:0-3,..."
+    spec = text.strip()
+    if re.fullmatch(r"[0-3]", spec):
+        level = Std(int(spec))
+        return {-1: level} if level else {}
+    if not re.fullmatch(r"\d+:[0-3](,\d+:[0-3])*", spec):
+        raise UsageError(f"{label} is not a stream spec; {allowed}")
+    out: dict[int, Std] = {}
+    for item in spec.split(","):
+        rank, level = (int(part) for part in item.split(":"))
+        if rank in out:
+            raise UsageError(f"{label} names local rank {rank} twice; {allowed}")
+        out[rank] = Std(level)
+    return out
+
+
+def parse_rdzv_conf(label: str, text: str) -> dict[str, str]:
+    """``KEY=VALUE,KEY=VALUE`` → dict; a key ending in ``timeout`` must be seconds >= 0."""
+    allowed = "use KEY=VALUE,KEY=VALUE, e.g. join_timeout=600,last_call_timeout=1"
+    out: dict[str, str] = {}
+    for item in text.split(",") if text.strip() else []:
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or not value or not re.fullmatch(r"[A-Za-z0-9_.-]+", key):
+            raise UsageError(f"{label}: {item.strip()!r} is not KEY=VALUE; {allowed}")
+        if key in out:
+            raise UsageError(f"{label}: {key} is given twice; {allowed}")
+        if key.endswith("timeout"):
+            _seconds(f"{label}: {key}={value}", value, f"{key} takes seconds >= 0", positive=False)
+        out[key] = value
+    return out
+
+
+def _is_ipv6(text: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.IPv6Address(text.partition("%")[0])
+    except ValueError:
+        return False
+    return True
+
+
+def check_host(label: str, host: str) -> str:
+    """A host name, an IPv4 address, or an IPv6 address (bare or in brackets); returned as given."""
+    inner = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not (_HOST_RE.fullmatch(inner) or (":" in inner and _is_ipv6(inner))):
+        raise UsageError(f"{label}: {host!r} is not a host; give a host name or an IP address")
+    return host
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def parse_endpoint(label: str, text: str, default_port: int) -> str:
+    """``HOST[:PORT]`` → ``HOST:PORT`` (``[ADDR]:PORT`` for IPv6), the port filled in when left out.
+
+    Port 0 ("the agent binds any free port") is allowed on a loopback host only: other nodes
+    could not learn which port was picked.
+    """
+    allowed = "use HOST[:PORT] with a port in 1-65535 (IPv6 as [ADDR]:PORT)"
+    item = text.strip()
+    bracketed = re.fullmatch(r"\[([^\]]+)\](?::(.*))?", item)
+    if bracketed:
+        host, port_text = bracketed.group(1), bracketed.group(2)
+        if not _is_ipv6(host):
+            raise UsageError(f"{label}: {host!r} is not an IPv6 address; {allowed}")
+    elif item.count(":") >= 2:
+        if not _is_ipv6(item):
+            raise UsageError(f"{label} is not a valid endpoint; {allowed}")
+        host, port_text = item, None
+    else:
+        host, colon, port_text = item.partition(":")
+        if not _HOST_RE.fullmatch(host):
+            raise UsageError(f"{label}: {host!r} is not a host name or address; {allowed}")
+        port_text = port_text if colon else None
+    port = default_port
+    if port_text is not None:
+        if not port_text.isdigit():
+            raise UsageError(f"{label}: port {port_text!r} is not a number; {allowed}")
+        port = _int(label, port_text, 0, 65535, allowed)
+        if port == 0 and not _is_loopback(host):
+            raise UsageError(f"{label}: port 0 (any free port) works on localhost only; {allowed}")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# --------------------------------------------------------------------------------------------
+# --nproc-per-node words, without importing torch
+# --------------------------------------------------------------------------------------------
+
+
+def count_gpus(environ: Mapping[str, str]) -> int:
+    """NVIDIA GPUs a worker may use: device nodes (else ``nvidia-smi -L``), capped by CUDA_VISIBLE_DEVICES."""
+    import glob
+
+    found = sum(1 for path in glob.glob("/dev/nvidia[0-9]*") if path[len("/dev/nvidia") :].isdigit())
+    if not found:
+        import shutil
+        import subprocess
+
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            try:
+                listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+            except (OSError, subprocess.SubprocessError):
+                listing = ""
+            found = sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return found
+    listed = 0
+    for item in visible.split(","):
+        if not item.strip() or item.strip().startswith("-"):
+            break  # like CUDA: the list ends at the first invalid entry
+        listed += 1
+    return min(found, listed)
+
+
+def torch_has_cuda() -> bool:
+    """Whether the installed torch is a CUDA build, read from its version.py without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        try:
+            with open(os.path.join(folder, "version.py"), encoding="utf-8") as handle:
+                match = re.search(r"^cuda\s*(?::[^=\n]*)?=\s*(.+)$", handle.read(), re.MULTILINE)
+        except OSError:
+            continue
+        return bool(match) and match.group(1).strip() != "None"
+    return False
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (respects taskset/cgroup affinity, as torchrun does)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def parse_nproc(label: str, text: str, environ: Mapping[str, str]) -> int:
+    """``--nproc-per-node``: a positive integer, or auto / cpu / gpu (see the flag's help)."""
+    allowed = "use a positive integer, auto, cpu or gpu"
+    word = text.strip().lower()
+    if word == "cpu":
+        return cpu_count()
+    if word == "auto":
+        gpus = count_gpus(environ) if torch_has_cuda() else 0
+        return gpus or cpu_count()
+    if word == "gpu":
+        gpus = count_gpus(environ)
+        if not gpus:
+            raise UsageError(f"{label}: no GPU is visible on this host; {allowed}")
+        if not torch_has_cuda():
+            raise UsageError(f"{label}: the installed torch is a CPU-only build; {allowed}")
+        return gpus
+    return _int(label, text, 1, None, allowed)
+
+
+# --------------------------------------------------------------------------------------------
+# The whole command line, one concern at a time
+# --------------------------------------------------------------------------------------------
+
+
+def _entry(s: _Settings, rest: list[str]) -> dict[str, object]:
+    """What each worker runs; a missing script or program is an error here, not in a worker."""
+    if not rest:
+        raise UsageError(
+            f"no training script given; usage: {PROG} [flags] SCRIPT [ARGS...], "
+            "or -m MODULE, or --no-python PROGRAM"
+        )
+    entry = rest[0]
+    module, no_python, run_path = s.on("module"), s.on("no_python"), s.on("run_path")
+    if module and no_python:
+        raise UsageError("-m/--module and --no-python exclude each other; use one of them")
+    if run_path and (module or no_python):
+        raise UsageError("--run-path runs a script file; drop -m/--module and --no-python")
+    if module:
+        if not all(part.isidentifier() for part in entry.split(".")):
+            raise UsageError(f"-m {entry}: not a module name; give a dotted name such as pkg.train")
+    elif no_python:
+        import shutil
+
+        if shutil.which(entry) is None:
+            raise UsageError(
+                f"--no-python {entry}: no such executable program; give a program in PATH or a path"
+            )
+    elif not (os.path.isfile(entry) or os.path.isfile(os.path.join(entry, "__main__.py"))):
+        raise UsageError(
+            f"script {entry!r} not found (in {os.getcwd()}); "
+            "give a Python file, -m MODULE or --no-python PROGRAM"
+        )
+    return {
+        "entrypoint": entry,
+        "args": rest[1:],
+        "module": module,
+        "no_python": no_python,
+        "run_path": run_path,
+    }
+
+
+def _rendezvous(s: _Settings, min_nodes: int, max_nodes: int, warnings: list[str]) -> dict[str, object]:
+    """Backend, endpoint, run id and the static backend's settings; applies --standalone."""
+    backend, endpoint, run_id = s.text("rdzv_backend"), s.text("rdzv_endpoint"), s.text("rdzv_id") or "none"
+    standalone = s.on("standalone")
+    if standalone:
+        if (min_nodes, max_nodes) != (1, 1):
+            raise UsageError(f"--standalone runs one node, but {s.label('nnodes')}; drop one of the two")
+        explicit = [("rdzv_backend", "c10d"), ("rdzv_endpoint", ""), ("rdzv_id", "none")]
+        ignored = [s.label(dest) for dest, same in explicit if s.from_cli(dest) and s.text(dest) != same]
+        if ignored:
+            warnings.append(f"--standalone ignores {', '.join(ignored)}")
+        import uuid
+
+        backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())
+
+    if backend not in ("c10d", "static"):
+        from elastrun.rendezvous.registry import known_backends
+
+        known = known_backends()
+        if backend not in known:
+            raise UsageError(
+                f"{s.label('rdzv_backend')} is not a known rendezvous backend; known: {', '.join(known)}"
+            )
+    static = backend == "static"
+    if static and min_nodes != max_nodes:
+        raise UsageError(
+            f"{s.label('nnodes')}: the static backend needs a fixed node count; use --nnodes=N or an "
+            "elastic backend such as --rdzv-backend=c10d"
+        )
+
+    where = s.label("rdzv_endpoint")
+    if backend in ETCD_BACKENDS:
+        if not endpoint:
+            raise UsageError(f"--rdzv-backend={backend} needs --rdzv-endpoint=HOST[:PORT],HOST[:PORT],...")
+        endpoint = ",".join(
+            parse_endpoint(where, member, DEFAULT_ETCD_PORT) for member in endpoint.split(",")
+        )
+    elif backend in CHECKED_BACKENDS and endpoint:
+        if "," in endpoint:
+            raise UsageError(f"{where}: only the etcd backends take several endpoints; give one HOST[:PORT]")
+        endpoint = parse_endpoint(where, endpoint, DEFAULT_RDZV_PORT)
+    elif backend == "c10d":
+        endpoint = f"localhost:{DEFAULT_RDZV_PORT}"
+
+    rank_allowed = f"use an integer in [0, {max_nodes})" if static else "use an integer >= 0"
+    node_rank = s.int("node_rank", 0, max_nodes - 1 if static else None, rank_allowed)
+    master_addr = check_host(s.label("master_addr"), s.text("master_addr"))
+    master_port: int | None = None
+    if s.given("master_port"):
+        master_port = s.int("master_port", 1, 65535, "use a port in 1-65535, or leave it out for a free one")
+    elif static and (s.given("rdzv_backend") or max_nodes > 1):
+        master_port = DEFAULT_MASTER_PORT
+    if not static:
+        stray = [s.label(dest) for dest in ("node_rank", "master_addr", "master_port") if s.from_cli(dest)]
+        if stray:
+            warnings.append(f"{', '.join(stray)}: only used by the static backend; ignored with {backend}")
+        master_port = None
+    local_addr = check_host(s.label("local_addr"), s.text("local_addr")) if s.text("local_addr") else None
+    return {
+        "rdzv_backend": backend,
+        "rdzv_endpoint": endpoint,
+        "run_id": run_id,
+        "standalone": standalone,
+        "rdzv_configs": parse_rdzv_conf(s.label("rdzv_conf"), s.text("rdzv_conf")),
+        "node_rank": node_rank,
+        "master_addr": master_addr,
+        "master_port": master_port,
+        "local_addr": local_addr,
+    }
+
+
+def _logs(s: _Settings, nproc: int, warnings: list[str]) -> dict[str, object]:
+    """Log directory (checked, never created here), redirects, tee and the console filter."""
+    log_dir = s.text("log_dir") or None
+    if log_dir is not None and os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        raise UsageError(f"{s.label('log_dir')} exists and is not a directory; give a directory path")
+    specs = {dest: parse_std_spec(s.label(dest), s.text(dest)) for dest in ("redirects", "tee")}
+    for dest, spec in specs.items():
+        beyond = sorted(rank for rank in spec if rank >= nproc)
+        if beyond:
+            warnings.append(f"{s.label(dest)} names local ranks {beyond}, but a node runs {nproc} workers")
+    ranks: set[int] | None = None
+    if s.text("local_ranks_filter"):
+        if not re.fullmatch(r"\d+(,\d+)*", s.text("local_ranks_filter")):
+            raise UsageError(f"{s.label('local_ranks_filter')} is not a list of local ranks; use e.g. 0,2")
+        ranks = {int(rank) for rank in s.text("local_ranks_filter").split(",")}
+    return {"log_dir": log_dir, **specs, "local_ranks_filter": ranks}
+
+
+def _extras(s: _Settings, warnings: list[str]) -> dict[str, object]:
+    """Timeouts, elastrun's own flags, and warnings for torchrun flags that have no effect here."""
+    preload = [name.strip() for name in s.text("preload").split(",") if name.strip()]
+    for name in preload:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise UsageError(f"{s.label('preload')}: {name!r} is not a module name; use e.g. torch,numpy")
+    if s.on("quiet") and s.on("verbose"):
+        raise UsageError("-q/--quiet and -v/--verbose exclude each other; use one of them")
+    port = s.int("metrics_port", 1, 65535, "use a port in 1-65535") if s.text("metrics_port") else None
+    for flag in FLAGS:
+        if flag.ignored and s.given(flag.dest):
+            warnings.extend(_ignored_warning(s, flag))
+    return {
+        "max_restarts": s.int("max_restarts", 0, None, "use an integer >= 0"),
+        "monitor_interval": s.seconds("monitor_interval", "use seconds > 0, e.g. 0.1", positive=True),
+        "stop_timeout": s.seconds("stop_timeout", "use seconds >= 0"),
+        "exit_barrier_timeout": s.seconds("exit_barrier_timeout", "use seconds >= 0"),
+        "hang_timeout": s.optional_seconds("hang_timeout"),
+        "startup_timeout": s.optional_seconds("startup_timeout"),
+        "preload": preload,
+        "event_log_stdout": s.on("event_log_stdout"),
+        "metrics_port": port,
+        "quiet": s.on("quiet"),
+        "verbose": s.on("verbose"),
+    }
+
+
+def _ignored_warning(s: _Settings, flag: Flag) -> list[str]:
+    if flag.dest == "signals_to_handle":
+        import signal
+
+        names = [name.strip().upper() for name in s.text(flag.dest).split(",") if name.strip()]
+        for name in names:
+            if not isinstance(getattr(signal, name, None), signal.Signals):
+                raise UsageError(f"{s.label(flag.dest)}: unknown signal {name}; use names such as SIGTERM")
+        if set(names) <= set(FORWARDED_SIGNALS):
+            return []
+        return [f"{s.label(flag.dest)}: elastrun forwards {','.join(FORWARDED_SIGNALS)}, no other signal"]
+    if s.values[flag.dest].raw in (False, flag.default):
+        return []
+    return [f"{s.label(flag.dest)} is accepted for torchrun compatibility and ignored by elastrun"]
+
+
+def parse_with_warnings(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[LaunchConfig, list[str]]:
+    """Read argv and ``environ`` into a checked :class:`LaunchConfig`, plus warning lines.
+
+    Raises :class:`UsageError` on any mistake and :class:`HelpRequested` for ``--help``/``--version``.
+    Nothing is created or started: the only side effects are reads (files, devices, PATH).
+    """
+    given, rest = _tokenize(argv)
+    if "help" in given:
+        raise HelpRequested(help_text())
+    if "version" in given:
+        from elastrun import __version__
+
+        raise HelpRequested(f"{PROG} {__version__}")
+    s = _Settings(given, environ)
+    warnings: list[str] = []
+    entry = _entry(s, rest)
+    min_nodes, max_nodes = parse_nnodes(s.label("nnodes"), s.text("nnodes"))
+    nproc = parse_nproc(s.label("nproc_per_node"), s.text("nproc_per_node"), environ)
+    config = LaunchConfig(
+        **entry,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        **_rendezvous(s, min_nodes, max_nodes, warnings),
+        **_logs(s, nproc, warnings),
+        **_extras(s, warnings),
+        role=_role(s),
+        start_method=_start_method(s),
+    )
+    return config, warnings
+
+
+def _role(s: _Settings) -> str:
+    if not s.text("role"):
+        raise UsageError("--role must not be empty; give a name such as trainer")
+    return s.text("role")
+
+
+def _start_method(s: _Settings) -> str:
+    if s.text("start_method") not in START_METHODS:
+        raise UsageError(
+            f"{s.label('start_method')} is not a start method; use one of {', '.join(START_METHODS)}"
+        )
+    return s.text("start_method")
+
+
+def parse(argv: list[str], environ: Mapping[str, str]) -> LaunchConfig:
+    """Read argv (without the program name) and ``environ`` into a checked :class:`LaunchConfig`.
+
+    Warnings (settings accepted but without effect) go to stderr, one line each, unless
+    ``--quiet``.  Raises :class:`UsageError` for any mistake.
+    """
+    config, warnings = parse_with_warnings(argv, environ)
+    if not config.quiet:
+        for line in warnings:
+            print(f"{PROG}: warning: {line}", file=sys.stderr)
+    return config
+
+
+# --------------------------------------------------------------------------------------------
+# Help text and entry point
+# --------------------------------------------------------------------------------------------
+
+
+def help_text() -> str:
+    """``elastrun --help``: usage, then every flag with its default and environment variable."""
+    import textwrap
+
+    lines = [
+        f"usage: {PROG} [flags] SCRIPT [ARGS...]",
+        f"       {PROG} [flags] -m MODULE [ARGS...]",
+        f"       {PROG} [flags] --no-python PROGRAM [ARGS...]",
+        f"       {PROG} status|timeline ...",
+        "",
+        "Elastic, fault-tolerant launcher for PyTorch distributed training; a drop-in for torchrun.",
+        "Everything after SCRIPT goes to the script. Each --flag-name also has the spelling",
+        "--flag_name, and can be set by the environment variable shown (the command line wins;",
+        "boolean variables take 1/true/yes or 0/false/no).",
+    ]
+    group = ""
+    for flag in FLAGS:
+        if flag.group != group:
+            group = flag.group
+            lines += ["", f"{group}:"]
+        lines.append("  " + ", ".join(flag.names) + (f" {flag.metavar}" if flag.metavar else ""))
+        notes = [flag.help] if flag.help else []
+        if flag.default:
+            notes.append(f"Default: {flag.default}.")
+        if flag.dest not in _NO_ENV:
+            notes.append("Env: " + ", ".join(flag.env_names) + ".")
+        lines += textwrap.wrap(" ".join(notes), width=96, initial_indent=" " * 8, subsequent_indent=" " * 8)
+    lines += [
+        "",
+        "Where elastrun's defaults differ from torchrun's: --master-port (a free port held by the agent",
+        "for a one-node job with no --rdzv-backend, instead of 29500, so jobs sharing a host never",
+        "collide), --stop-timeout 20 s (torchrun 30 s), and --max-restarts is a budget for the whole",
+        "job rather than for each node.",
+    ]
+    return "\n".join(lines)
+
+
+def _run_subcommand(argv: list[str]) -> int:
+    """``elastrun status|timeline ...``: hand argv, subcommand first, to elastrun.observe.cli."""
+    try:
+        from elastrun.observe.cli import main as observe_main
+    except ImportError as exc:
+        print(
+            f"{PROG}: error: '{PROG} {argv[0]}' is not available in this installation ({exc})",
+            file=sys.stderr,
+        )
+        return 2
+    return observe_main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``elastrun`` command: parse, then launch; exit status 2 (one line on stderr) on a usage error."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] in SUBCOMMANDS:
+        return _run_subcommand(args)
+    try:
+        config = parse(args, os.environ)
+    except HelpRequested as request:
+        print(request.text)
+        return 0
+    except UsageError as error:
+        print(f"{PROG}: error: {' '.join(str(error).split()) or 'invalid command line'}", file=sys.stderr)
+        return 2
+    from elastrun.launcher import run
+
+    return run(config)

@@ -1,0 +1,139 @@
+"""Launching from code: the ``elastrun`` command's engine, and a Python API like torch's ``elastic_launch``.
+
+``run(config)`` is what the command line calls.  ``launch`` runs a job from Python, with a
+script or a function as the entry point::
+
+    from elastrun.config import LaunchConfig
+    from elastrun.launcher import launch
+
+    def train(lr):                      # must be importable (defined at module level)
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        return dist.get_rank()
+
+    results = launch(LaunchConfig(entrypoint="", nproc_per_node=2, standalone=True,
+                                  rdzv_backend="c10d", rdzv_endpoint="localhost:0"),
+                     train, 0.1)
+    # {0: 0, 1: 1}: return values of this node's ranks
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from elastrun.config import LaunchConfig
+from elastrun.rendezvous.api import RendezvousConfigError, RendezvousError, RendezvousParameters
+
+
+class LaunchError(RuntimeError):
+    """A job launched through :func:`launch` failed; ``exit_code`` is the agent's."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def rendezvous_parameters(config: LaunchConfig) -> RendezvousParameters:
+    """The rendezvous settings of a launch configuration."""
+    return RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        max_restarts=config.max_restarts,
+        local_addr=config.local_addr,
+        config=dict(config.rdzv_configs),
+        node_rank=config.node_rank,
+        master_addr=config.master_addr,
+        master_port=config.master_port,
+    )
+
+
+def make_starter(config: LaunchConfig):
+    """The worker starter for ``config.start_method`` (the warm pool where it is available and safe)."""
+    try:
+        from elastrun.workers.pool import select_starter
+    except ImportError:
+        select_starter = None
+    if select_starter is not None:
+        return select_starter(config)
+    from elastrun.workers.spawn import ExecStarter
+
+    return ExecStarter()
+
+
+def run(config: LaunchConfig) -> int:
+    """Run this node's agent for ``config`` until the job ends; returns the process exit code."""
+    base_env = dict(os.environ)
+    # The store client logs every wait timeout at WARNING level; the agent waits with timeouts on purpose.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    from elastrun.rendezvous.registry import create_handler, validate
+
+    params = rendezvous_parameters(config)
+    try:
+        validate(params)
+    except RendezvousConfigError as exc:
+        print(f"elastrun: error: {exc}", file=sys.stderr)
+        return 2
+    starter = make_starter(config)
+    starter.prepare()
+    try:
+        handler = create_handler(params)
+    except RendezvousConfigError as exc:
+        starter.close()
+        print(f"elastrun: error: {exc}", file=sys.stderr)
+        return 2
+    except RendezvousError as exc:
+        starter.close()
+        print(f"elastrun: error: {exc}", file=sys.stderr)
+        return 1
+    except BaseException:
+        starter.close()
+        raise
+    from elastrun.agent.agent import LocalAgent
+
+    agent = LocalAgent(config, handler, starter, base_env=base_env)
+    return agent.run()
+
+
+def launch(config: LaunchConfig, entrypoint: Callable[..., Any] | str, *args: Any) -> dict[int, Any]:
+    """Run a job on this node from Python and return ``{rank: return value}`` of this node's workers.
+
+    ``entrypoint`` is a script path (its return values are None) or a function importable by
+    module and name, called as ``entrypoint(*args)`` in every worker.  Must be called from the
+    main thread (the agent handles signals).  Raises :class:`LaunchError` when the job fails.
+    """
+    if isinstance(entrypoint, str):
+        config.entrypoint, config.args = entrypoint, [str(a) for a in args]
+        code = run(config)
+        if code != 0:
+            raise LaunchError(f"job {config.run_id!r} failed with exit code {code}", code)
+        return {r: None for r in range(config.nproc_per_node)}
+    with tempfile.TemporaryDirectory(prefix="elastrun-launch-") as tmp:
+        call_file = Path(tmp) / "call.pkl"
+        with open(call_file, "wb") as fh:
+            pickle.dump((entrypoint.__module__, entrypoint.__qualname__, args, _main_path()), fh)
+        config.module, config.no_python = True, False
+        config.entrypoint = "elastrun.workers.run_function"
+        config.args = [str(call_file), tmp]
+        code = run(config)
+        if code != 0:
+            raise LaunchError(f"job {config.run_id!r} failed with exit code {code}", code)
+        results = {}
+        for path in sorted(Path(tmp).glob("result_*.pkl")):
+            with open(path, "rb") as fh:
+                results[int(path.stem.split("_")[1])] = pickle.load(fh)
+        return results
+
+
+def _main_path() -> str | None:
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return os.path.abspath(path) if path else None

@@ -1,0 +1,120 @@
+"""Structured events of an agent: one JSON object per line, so a job's history can be read back.
+
+Every agent writes ``events-<node>.jsonl`` under ``--log-dir`` (and, with ``--event-log-stdout``,
+to stdout).  Each line has ``ts`` (Unix time), ``node`` (node id), ``event`` (one of
+:data:`EVENT_KINDS`) and event-specific fields.  ``elastrun timeline`` and the tests read them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+#: Something called with every event record (a dict), e.g. the metrics registry's feeder.
+Listener = Callable[[dict[str, Any]], None]
+
+#: The kinds of events an agent emits, and their main fields.
+EVENT_KINDS: dict[str, str] = {
+    "agent_start": "run_id, backend, min_nodes, max_nodes, nproc",
+    "round_start": "round (the round this node is joining)",
+    "round_closed": "round, generation, group_rank, world_size, members, duration",
+    "worker_start": "round, rank, local_rank, pid, start_method",
+    "worker_exit": "round, rank, local_rank, pid, exitcode, signal",
+    "worker_failure": "round, rank, local_rank, exitcode, signal, message",
+    "restart": "round, reason, restarts_used, max_restarts",
+    "node_lost": "round, lost (node ids), detection (s)",
+    "nodes_waiting": "round, count",
+    "scale_change": "old_world_size, new_world_size",
+    "hang_detected": "round, rank, local_rank, silent_for (s)",
+    "recovered": "round, reason, duration (s from the fault to all workers started)",
+    "signal": "signal, action",
+    "job_failed": "reason",
+    "agent_exit": "exitcode, reason",
+}
+
+
+class EventLog:
+    """Appends events to a JSON-lines file and/or a stream; thread-safe and cheap when disabled."""
+
+    def __init__(self, node_id: str, path: Path | None = None, stream: TextIO | None = None) -> None:
+        self.node_id = node_id
+        self._lock = threading.Lock()
+        self._file: TextIO | None = None
+        self.path = path
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - kept open
+        self._stream = stream
+        self._listeners: list[Listener] = []
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(event_dict)`` for every event (e.g. the metrics registry)."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        """Stop calling ``listener``; a listener that is not registered is ignored."""
+        try:
+            self._listeners.remove(listener)
+        except ValueError:
+            pass
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Write one event (``ts`` and ``node`` added) and hand it to the listeners; returns the record."""
+        record = {"ts": round(time.time(), 6), "node": self.node_id, "event": event, **fields}
+        line = json.dumps(record, separators=(",", ":"), default=str)
+        with self._lock:
+            if self._file is not None:
+                self._file.write(line + "\n")
+            if self._stream is not None:
+                self._stream.write(line + "\n")
+                self._stream.flush()
+        for listener in list(self._listeners):
+            try:
+                listener(record)
+            except Exception as exc:  # a broken listener must not stop the agent
+                print(f"elastrun: event listener failed: {exc}", file=sys.stderr)
+        return record
+
+    def close(self) -> None:
+        """Flush the file to disk and close it; later events still reach the stream and listeners."""
+        with self._lock:
+            if self._file is not None:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
+                self._file = None
+
+
+def event_files(log_dir: str | Path) -> list[Path]:
+    """Every ``events-*.jsonl`` under ``log_dir`` (searched recursively, so one directory per node works)."""
+    return sorted(p for p in Path(log_dir).rglob("events-*.jsonl") if p.is_file())
+
+
+def read_log_dir(log_dir: str | Path) -> list[dict[str, Any]]:
+    """All events of all nodes under ``log_dir``, oldest first (ties keep each file's order)."""
+    events: list[dict[str, Any]] = []
+    for path in event_files(log_dir):
+        events.extend(read_events(path))
+    events.sort(key=lambda e: float(e.get("ts", 0.0)))
+    return events
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """Read one events file, skipping a torn last line (an agent killed mid-write)."""
+    events = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return events

@@ -1,0 +1,260 @@
+"""The rendezvous contract: how the agents of a job agree on who is in the next worker group.
+
+An agent owns one :class:`RendezvousHandler`.  Its life looks like this::
+
+    handler = registry.create_handler(params)          # connects; nothing joined yet
+    while True:
+        result = handler.next_round(node)              # blocks until this node is in a closed round
+        start_workers(result)
+        while workers_running():
+            change = handler.poll()                    # cheap; call every few hundred ms
+            if change.aborted or change.restart_needed:
+                break
+        if local_failure:
+            handler.report_failure(failure)            # then call next_round() again
+    handler.finish(success=True)                       # exit barrier, then clean-up
+    handler.close()
+
+A *round* is one attempt to form a worker group.  Rounds are numbered per job; the result of a
+closed round gives every member its group rank, the global rank of its first worker, the world
+size, and the address of a store (hosted by the agent of group rank 0, fresh for each round)
+from which the workers bootstrap their process group.  docs/rendezvous-protocol.md describes the
+keys a backend writes and when.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+
+class RendezvousError(Exception):
+    """Base class of rendezvous failures."""
+
+
+class RendezvousTimeoutError(RendezvousError):
+    """A round could not close within the join timeout; the message names what it waited for."""
+
+
+class RendezvousConnectionError(RendezvousError):
+    """The backend (store or etcd) cannot be reached or was lost."""
+
+
+class RendezvousConfigError(RendezvousError):
+    """The parameters given to a backend are wrong; the message says which and what is allowed."""
+
+
+class JobFailedError(RendezvousError):
+    """The job was ended for all nodes (restart budget spent, or a node aborted it).
+
+    ``summary`` is the root-cause text that every agent prints.
+    """
+
+    def __init__(self, message: str, summary: str = "") -> None:
+        super().__init__(message)
+        self.summary = summary
+
+
+class JobFinishedError(RendezvousError):
+    """The job this node tried to join has already finished successfully."""
+
+
+@dataclass
+class NodeInfo:
+    """What a node tells the others when it joins a round."""
+
+    node_id: str
+    addr: str
+    nproc: int
+    role: str = "default"
+    hostname: str = ""
+    pid: int = 0
+    #: Group rank this node had in the last round it was a member of (-1: none); kept where possible.
+    prev_group_rank: int = -1
+    #: ``--node-rank`` for the static backend; -1 elsewhere.
+    fixed_rank: int = -1
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> NodeInfo:
+        return cls(**json.loads(text))
+
+
+@dataclass
+class Member:
+    """A node's place in a closed round."""
+
+    node_id: str
+    addr: str
+    group_rank: int
+    nproc: int
+    rank_offset: int
+    role: str = "default"
+    role_rank_offset: int = 0
+    hostname: str = ""
+
+
+@dataclass
+class RoundResult:
+    """The outcome of a closed round, as seen by one member."""
+
+    round: int
+    #: Worker-group generation of the job: 0 for the first group, +1 for each restart or resize.
+    #: Exported to workers as ``TORCHELASTIC_RESTART_COUNT``.
+    generation: int
+    group_rank: int
+    group_world_size: int
+    rank_offset: int
+    world_size: int
+    role_rank_offset: int
+    role_world_size: int
+    store_addr: str
+    store_port: int
+    members: list[Member] = field(default_factory=list)
+    restarts_used: int = 0
+    max_restarts: int = 0
+    #: Seconds from this node's call to ``next_round`` until the round closed.
+    duration: float = 0.0
+    #: Nodes of the previous round that were declared dead or left (a membership change).
+    lost_nodes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RoundChange:
+    """What :meth:`RendezvousHandler.poll` reports about the job since this node's round closed."""
+
+    #: Nodes waiting to join (counted only while the group is below its maximum size).
+    nodes_waiting: int = 0
+    #: Members of the current round declared dead (missed heartbeats) or gone.
+    lost_nodes: list[str] = field(default_factory=list)
+    #: Another member asked for a new round (its workers failed, or it saw a change first).
+    new_round_requested: bool = False
+    #: The job was ended; ``JobFailedError.summary``-style text.
+    aborted: str | None = None
+
+    @property
+    def restart_needed(self) -> bool:
+        return bool(self.nodes_waiting or self.lost_nodes or self.new_round_requested)
+
+
+@dataclass
+class FailureRecord:
+    """One failed worker, as written to the job's store so that every agent can print the root cause."""
+
+    node_id: str
+    hostname: str
+    rank: int
+    local_rank: int
+    exitcode: int | None
+    signal: str | None
+    timestamp: float
+    message: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> FailureRecord:
+        return cls(**json.loads(text))
+
+
+@dataclass
+class RendezvousParameters:
+    """Backend-independent settings of a job's rendezvous, built from the launch flags.
+
+    ``config`` holds the ``--rdzv-conf`` keys; each backend reads the ones it knows through the
+    typed getters and reports unknown keys as an error.
+    """
+
+    backend: str
+    endpoint: str
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int = 0
+    local_addr: str | None = None
+    config: dict[str, str] = field(default_factory=dict)
+    #: static backend only
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+    def get_float(self, key: str, default: float) -> float:
+        raw = self.config.get(key)
+        if raw is None:
+            return default
+        try:
+            value = float(raw)
+        except ValueError:
+            raise RendezvousConfigError(
+                f"--rdzv-conf {key}={raw!r} is not a number; give seconds, e.g. {key}={default}"
+            ) from None
+        if value < 0:
+            raise RendezvousConfigError(f"--rdzv-conf {key}={raw!r} must not be negative")
+        return value
+
+    def get_str(self, key: str, default: str | None = None) -> str | None:
+        return self.config.get(key, default)
+
+    def get_bool(self, key: str, default: bool) -> bool:
+        raw = self.config.get(key)
+        if raw is None:
+            return default
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise RendezvousConfigError(f"--rdzv-conf {key}={raw!r} is not a boolean; use true or false")
+
+
+class RendezvousHandler(abc.ABC):
+    """One node's handle on a job's rendezvous.  See the module docstring for the call sequence.
+
+    Implementations must be safe to call from the agent's main thread while their own
+    background threads (heartbeats, watches) run; they must never block in :meth:`poll`.
+    """
+
+    #: Name under which the backend is registered (``--rdzv-backend``).
+    backend_name: str = ""
+
+    @abc.abstractmethod
+    def next_round(self, node: NodeInfo) -> RoundResult:
+        """Join the job's next round and block until it closes with this node as a member.
+
+        Raises :class:`RendezvousTimeoutError` after the join timeout, :class:`JobFailedError`
+        when the job was ended (e.g. the restart budget is spent), :class:`JobFinishedError`
+        when the job already finished, :class:`RendezvousConnectionError` when the backend is
+        lost.
+        """
+
+    @abc.abstractmethod
+    def poll(self) -> RoundChange:
+        """Report changes to the current round without blocking (a few store operations at most)."""
+
+    @abc.abstractmethod
+    def report_failure(self, failure: FailureRecord) -> None:
+        """Record that this node's workers failed in the current round (the root cause for the job)."""
+
+    @abc.abstractmethod
+    def leave(self, reason: str) -> None:
+        """Leave the job for good (pre-emption, operator stop) without charging the restart budget."""
+
+    @abc.abstractmethod
+    def finish(self, timeout: float) -> bool:
+        """Record this node's success and wait up to ``timeout`` s for the other members (exit barrier).
+
+        Returns True when every member of the round finished.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop background threads and release resources; the last node out removes the job's keys."""
+
+    def describe(self) -> dict:
+        """A JSON-able snapshot of the job (round, members, restarts, heartbeat ages) for ``elastrun status``."""
+        raise NotImplementedError(f"backend {self.backend_name!r} cannot describe a job")

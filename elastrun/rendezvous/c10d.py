@@ -1,0 +1,659 @@
+"""The ``c10d`` backend: rounds on torch's own ``TCPStore``, hosted by the agent on the endpoint's host.
+
+The agent whose host is the ``--rdzv-endpoint`` host binds the store (or, with ``--standalone``,
+a free port); every other agent is a client.  The job's state lives in that one agent's memory,
+so losing that node ends the job: this backend has a single point of failure, which the error
+says when it happens.  ``--rdzv-backend=etcd`` keeps the state in a replicated etcd cluster
+instead and survives the loss of any node.
+
+The keys written and the order of operations are documented in docs/rendezvous-protocol.md.
+All keys live under ``/elastrun/<run_id>/``.  Every operation is O(1) per node except the
+closer's one ``multi_get``/result write per round, so a round costs O(n) store operations in
+total (no compare-and-set storm on a shared blob).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from elastrun.rendezvous.api import (
+    FailureRecord,
+    JobFailedError,
+    JobFinishedError,
+    Member,
+    NodeInfo,
+    RendezvousConfigError,
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+    RoundChange,
+    RoundResult,
+)
+from elastrun.rendezvous.keepalive import Heartbeat, RingWatch
+from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, format_failure, is_charged, root_cause
+
+#: ``--rdzv-conf`` keys of the store backends, with defaults (seconds unless noted).
+CONFIG_DEFAULTS: dict[str, Any] = {
+    "join_timeout": 600.0,
+    "last_call_timeout": 1.0,
+    "heartbeat_interval": 0.5,
+    "heartbeat_timeout": 2.5,
+    "read_timeout": 60.0,
+    "host_linger": 30.0,
+    "is_host": None,
+}
+#: torchrun's names accepted as aliases.
+CONFIG_ALIASES = {"keep_alive_interval": "heartbeat_interval", "timeout": "join_timeout"}
+IGNORED_TORCHRUN_KEYS = {"close_timeout", "keep_alive_max_attempt", "use_libuv"}
+
+_CLOSER_POLL = 0.02
+_FOLLOWER_POLL = 1.0
+
+
+def split_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
+    """``host[:port]`` or ``[v6]:port`` → (host, port)."""
+    endpoint = endpoint.strip()
+    if endpoint.startswith("["):
+        host, _, rest = endpoint[1:].partition("]")
+        port = rest.lstrip(":")
+    elif endpoint.count(":") == 1:
+        host, _, port = endpoint.partition(":")
+    else:
+        host, port = endpoint, ""
+    if not host:
+        raise RendezvousConfigError(f"rendezvous endpoint {endpoint!r} has no host; use HOST[:PORT]")
+    try:
+        port_number = int(port) if port else default_port
+    except ValueError:
+        raise RendezvousConfigError(f"rendezvous endpoint {endpoint!r}: port {port!r} is not a number") from None
+    if not 0 <= port_number <= 65535:
+        raise RendezvousConfigError(f"rendezvous endpoint {endpoint!r}: port must be 0-65535")
+    return host, port_number
+
+
+def _host_addresses(host: str) -> set[str]:
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror:
+        return set()
+
+
+def is_local_host(host: str) -> bool:
+    """True when ``host`` names this machine (a loopback name or one of its interface addresses)."""
+    import psutil
+
+    addresses = _host_addresses(host)
+    if any(a.startswith("127.") or a == "::1" for a in addresses):
+        return True
+    local = {addr.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for addr in addrs}
+    return bool(addresses & local)
+
+
+def route_address(host: str, port: int) -> str:
+    """The local address that packets to ``host`` leave from (no packet is sent)."""
+    addresses = _host_addresses(host)
+    if not addresses:
+        return socket.gethostname()
+    if any(a.startswith("127.") for a in addresses):
+        return "127.0.0.1"
+    target = sorted(addresses)[0]
+    family = socket.AF_INET6 if ":" in target else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect((target, port or 9))
+            return sock.getsockname()[0]
+        except OSError:
+            return socket.gethostname()
+
+
+def parse_config(params: RendezvousParameters, extra_keys: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Typed ``--rdzv-conf`` values; unknown keys are an error that lists the known ones."""
+    defaults = dict(CONFIG_DEFAULTS)
+    defaults.update(extra_keys or {})
+    values = dict(defaults)
+    for raw_key in params.config:
+        key = CONFIG_ALIASES.get(raw_key, raw_key)
+        if raw_key in IGNORED_TORCHRUN_KEYS:
+            continue
+        if key not in defaults:
+            known = ", ".join(sorted(defaults))
+            raise RendezvousConfigError(
+                f"unknown --rdzv-conf key {raw_key!r} for backend {params.backend!r}; known keys: {known}"
+            )
+        default = defaults[key]
+        if key == "is_host":
+            values[key] = params.get_bool(raw_key, False)
+        elif isinstance(default, float):
+            values[key] = params.get_float(raw_key, default)
+        else:
+            values[key] = params.get_str(raw_key, default)
+    if values["heartbeat_timeout"] <= values["heartbeat_interval"]:
+        raise RendezvousConfigError(
+            "--rdzv-conf heartbeat_timeout must be larger than heartbeat_interval "
+            f"(got {values['heartbeat_timeout']} <= {values['heartbeat_interval']})"
+        )
+    if values["heartbeat_interval"] <= 0:
+        raise RendezvousConfigError("--rdzv-conf heartbeat_interval must be positive")
+    return values
+
+
+def _store_errors(method):
+    """Turn errors of the store client into :class:`RendezvousConnectionError` with an explanation."""
+
+    @functools.wraps(method)
+    def wrapper(self: StoreRendezvousHandler, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (RendezvousConnectionError, JobFailedError, JobFinishedError, RendezvousTimeoutError):
+            raise
+        except RendezvousConfigError:
+            raise
+        except Exception as exc:
+            raise self.store_lost_error(exc) from exc
+
+    return wrapper
+
+
+class StoreRendezvousHandler(RendezvousHandler):
+    """Rendezvous rounds on a ``TCPStore``; see the module docstring and docs/rendezvous-protocol.md."""
+
+    backend_name = "c10d"
+
+    def __init__(self, params: RendezvousParameters, host: str, port: int, is_host: bool | None) -> None:
+        self.params = params
+        self.conf = parse_config(params)
+        self.run_id = params.run_id
+        self.min_nodes = params.min_nodes
+        self.max_nodes = params.max_nodes
+        self.join_timeout = float(self.conf["join_timeout"])
+        self.store_host, self.store_port = host, port
+        self.local_addr = params.local_addr or route_address(host, port)
+        self._prefix = f"/elastrun/{self.run_id}/"
+        self._server = None
+        self._store = self._connect(host, port, is_host)
+        self._hb_store = self._store.clone()
+        self._node: NodeInfo | None = None
+        self._round: int | None = None
+        self._result: RoundResult | None = None
+        self._ring: list[str] = []
+        self._seen_signal = 0
+        self._worker_store = None
+        self._heartbeat: Heartbeat | None = None
+        self._hb_counter = 0
+        self._watch = RingWatch(self.conf["heartbeat_timeout"])
+        self._error: Exception | None = None
+        self._lock = threading.Lock()
+        self._registered = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ store plumbing
+    def _connect(self, host: str, port: int, is_host: bool | None):
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=float(self.conf["read_timeout"]))
+        must_host = bool(is_host)
+        if is_host is None:
+            is_host = is_local_host(host)
+        if is_host:
+            try:
+                self._server = dist.TCPStore(
+                    host, port, is_master=True, wait_for_workers=False, use_libuv=True, timeout=timeout
+                )
+                self.store_port = self._server.port
+                return self._server
+            except Exception as exc:  # port taken: another agent on this host may be the host
+                if must_host or port == 0:
+                    raise RendezvousConnectionError(
+                        f"could not start the rendezvous store on {host}:{port}: {exc}; "
+                        "is the port in use by another job? choose another port"
+                    ) from exc
+        deadline = time.monotonic() + self.join_timeout
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                connect_timeout = datetime.timedelta(seconds=max(1.0, min(10.0, deadline - time.monotonic())))
+                store = dist.TCPStore(host, port, is_master=False, timeout=connect_timeout)
+                store.set_timeout(timeout)
+                return store
+            except Exception as exc:
+                last_error = exc
+                time.sleep(0.2)
+        raise RendezvousTimeoutError(
+            f"could not reach the rendezvous store at {host}:{port} within {self.join_timeout:g} s "
+            f"(join_timeout): is the agent on {host} running and is --rdzv-endpoint right? last error: {last_error}"
+        )
+
+    def store_lost_error(self, exc: BaseException) -> RendezvousConnectionError:
+        return RendezvousConnectionError(
+            f"lost the rendezvous store at {self.store_host}:{self.store_port} ({exc}). The c10d backend keeps "
+            f"the job's state in the agent on {self.store_host}; that agent is gone, so this job cannot continue. "
+            "Use --rdzv-backend=etcd with an etcd cluster to survive the loss of any node."
+        )
+
+    def _k(self, *parts: object) -> str:
+        return self._prefix + "/".join(str(p) for p in parts)
+
+    def _r(self, round_: int, *parts: object) -> str:
+        return self._k(f"r{round_}", *parts)
+
+    def _count(self, key: str, store=None) -> int:
+        return int((store or self._store).add(key, 0))
+
+    def _exists(self, key: str, store=None) -> bool:
+        return bool((store or self._store).check([key]))
+
+    def _get(self, key: str, store=None) -> bytes:
+        return (store or self._store).get(key)
+
+    def _wait(self, key: str, timeout: float) -> bool:
+        """Block until ``key`` exists or ``timeout`` passes."""
+        if self._exists(key):
+            return True
+        if timeout <= 0:
+            return False
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=timeout))
+            return True
+        except Exception as exc:
+            if "timeout" in str(exc).lower():
+                return False
+            raise
+
+    # ------------------------------------------------------------------ heartbeats
+    def _start_heartbeat(self) -> None:
+        if self._heartbeat is None:
+            self._beat()
+            self._heartbeat = Heartbeat(self.conf["heartbeat_interval"], self._beat, self._on_heartbeat_error)
+            self._heartbeat.start()
+
+    def _on_heartbeat_error(self, exc: Exception) -> None:
+        self._error = exc
+
+    def _beat(self) -> None:
+        assert self._node is not None
+        self._hb_counter += 1
+        store = self._hb_store
+        store.set(self._k("hb", self._node.node_id), f"{self._hb_counter}:{time.time():.3f}")
+        self._error = None
+        with self._lock:
+            round_, ring = self._round, list(self._ring)
+        if round_ is None or len(ring) < 2:
+            return
+        me = ring.index(self._node.node_id) if self._node.node_id in ring else -1
+        if me < 0:
+            return
+        # Watch the first successor not already known dead.
+        for step in range(1, len(ring)):
+            target = ring[(me + step) % len(ring)]
+            if not self._exists(self._r(round_, "dead", target), store):
+                break
+        else:
+            return
+        self._watch.retarget(target)
+        key = self._k("hb", target)
+        value = self._get(key, store) if self._exists(key, store) else None
+        if self._watch.observe(value):
+            self._declare_gone(round_, target, f"dead:{self._node.node_id}", store)
+            self._watch.retarget(None)
+
+    def _declare_gone(self, round_: int, node_id: str, marker: str, store=None) -> bool:
+        """Mark ``node_id`` as gone from ``round_`` (once) and wake the round's members."""
+        store = store or self._store
+        key = self._r(round_, "dead", node_id)
+        if store.compare_set(key, "", marker) != marker.encode():
+            return False
+        store.append(self._r(round_, "gone_list"), node_id + "\n")
+        store.add(self._r(round_, "gone"), 1)
+        store.add(self._r(round_, "signal"), 1)
+        return True
+
+    # ------------------------------------------------------------------ the round
+    @_store_errors
+    def next_round(self, node: NodeInfo) -> RoundResult:
+        started = time.monotonic()
+        deadline = started + self.join_timeout
+        self._node = node
+        if not self._registered:
+            self._store.add(self._k("agents"), 1)
+            self._registered = True
+        self._start_heartbeat()
+        self._check_job_ended()
+        member_of = self._round
+        if self._result is not None:
+            node.prev_group_rank = self._result.group_rank
+        round_ = self._count(self._k("current"))
+        while True:
+            if time.monotonic() >= deadline:
+                raise self._timeout_error(round_)
+            idx = self._store.add(self._r(round_, "joined"), 1)
+            rejoining = (
+                member_of is not None
+                and round_ == member_of + 1
+                and not self._exists(self._r(member_of, "dead", node.node_id))
+            )
+            if rejoining:
+                self._store.add(self._r(round_, "rejoined"), 1)
+            self._store.set(self._r(round_, "node", idx), node.to_json())
+            if round_ > 0:
+                self._store.add(self._r(round_ - 1, "signal"), 1)
+            size = self._await_close(round_, idx, deadline)
+            if idx <= size:
+                break
+            round_ = max(round_ + 1, self._count(self._k("current")))
+        result = self._await_result(round_, node, deadline)
+        result.duration = time.monotonic() - started
+        return result
+
+    def _check_job_ended(self) -> None:
+        if self._exists(self._k("abort")):
+            summary = self._get(self._k("abort")).decode()
+            raise JobFailedError("the job was ended by another node", summary)
+        if self._exists(self._k("finished")):
+            raise JobFinishedError(f"job {self.run_id!r} has already finished")
+
+    def _timeout_error(self, round_: int) -> RendezvousTimeoutError:
+        joined = self._count(self._r(round_, "joined"))
+        return RendezvousTimeoutError(
+            f"rendezvous of job {self.run_id!r} did not complete within {self.join_timeout:g} s (join_timeout): "
+            f"round {round_} waited for at least {self.min_nodes} node(s) (at most {self.max_nodes}) and "
+            f"{joined} joined; start the other agents or lower --nnodes"
+        )
+
+    def _prev_members(self, round_: int) -> int | None:
+        if round_ == 0 or not self._exists(self._r(round_ - 1, "result")):
+            return None
+        doc = json.loads(self._get(self._r(round_ - 1, "result")))
+        return None if doc.get("abort") else len(doc["members"])
+
+    def _await_close(self, round_: int, idx: int, deadline: float) -> int:
+        """Wait until round ``round_`` closes; the first joiner (and, as a fallback, the others) closes it."""
+        closed_key = self._r(round_, "closed")
+        prev_members = self._prev_members(round_)
+        min_reached: float | None = None
+        poll = _CLOSER_POLL if idx == 1 else _FOLLOWER_POLL
+        next_check = time.monotonic() if idx == 1 else time.monotonic() + poll
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                raise self._timeout_error(round_)
+            if self._exists(closed_key):
+                return int(self._get(closed_key).decode().split(":")[0])
+            if self._error is not None:
+                raise self.store_lost_error(self._error)
+            if now >= next_check:
+                self._check_job_ended()
+                joined = self._count(self._r(round_, "joined"))
+                if joined >= self.min_nodes and min_reached is None:
+                    min_reached = now
+                accounted = 0
+                if prev_members is not None:
+                    accounted = (
+                        self._count(self._r(round_, "rejoined"))
+                        + self._count(self._r(round_ - 1, "gone"))
+                        + self._count(self._r(round_ - 1, "done"))
+                    )
+                size = close_size(
+                    CloseInputs(
+                        joined=joined,
+                        min_nodes=self.min_nodes,
+                        max_nodes=self.max_nodes,
+                        prev_members=prev_members,
+                        prev_accounted=accounted,
+                        since_min=None if min_reached is None else now - min_reached,
+                        last_call=float(self.conf["last_call_timeout"]),
+                    )
+                )
+                if size is not None:
+                    token = f"{size}:{self._node.node_id}"
+                    won = self._store.compare_set(closed_key, "", token).decode()
+                    if won == token:
+                        self._store.set(self._k("current"), str(round_ + 1))
+                        self._publish_result(round_, size, prev_members is not None)
+                    return int(won.split(":")[0])
+                next_check = now + poll
+            if idx == 1:
+                time.sleep(_CLOSER_POLL)
+            else:
+                self._wait(closed_key, min(_FOLLOWER_POLL, max(0.0, deadline - time.monotonic())))
+
+    def _failures(self, round_: int) -> list[FailureRecord]:
+        key = self._r(round_, "fail_list")
+        if not self._exists(key):
+            return []
+        node_ids = [n for n in self._get(key).decode().split("\n") if n]
+        values = self._store.multi_get([self._r(round_, "fail", n) for n in node_ids])
+        return [FailureRecord.from_json(v) for v in values]
+
+    def _publish_result(self, round_: int, size: int, has_prev: bool) -> None:
+        raw = self._store.multi_get([self._r(round_, "node", i) for i in range(1, size + 1)])
+        members = assign_ranks([NodeInfo.from_json(v) for v in raw])
+        used = self._count(self._k("restarts_used"))
+        abort = None
+        lost: list[str] = []
+        if has_prev:
+            failures = self._failures(round_ - 1)
+            gone = self._count(self._r(round_ - 1, "gone"))
+            if gone:
+                listing = self._get(self._r(round_ - 1, "gone_list")).decode()
+                lost = [n for n in listing.split("\n") if n]
+            if is_charged(len(failures), gone):
+                used = int(self._store.add(self._k("restarts_used"), 1))
+            if used > self.params.max_restarts:
+                cause = root_cause(failures)
+                abort = (
+                    f"job {self.run_id!r} failed: its restart budget (--max-restarts={self.params.max_restarts}) "
+                    f"is spent ({used} failure(s))"
+                )
+                if cause is not None:
+                    abort += "\n" + format_failure(cause)
+        generation = int(self._store.add(self._k("generation"), 1)) - 1
+        doc = {
+            "members": [dataclasses.asdict(m) for m in members],
+            "generation": generation,
+            "restarts_used": min(used, self.params.max_restarts) if abort is None else used,
+            "max_restarts": self.params.max_restarts,
+            "abort": abort,
+            "lost": lost,
+            "closed_at": time.time(),
+        }
+        self._store.set(self._r(round_, "result"), json.dumps(doc))
+        if abort is not None:
+            self._store.set(self._k("abort"), abort)
+
+    def _await_result(self, round_: int, node: NodeInfo, deadline: float) -> RoundResult:
+        key = self._r(round_, "result")
+        while not self._wait(key, min(1.0, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise self._timeout_error(round_)
+        doc = json.loads(self._get(key))
+        if doc.get("abort"):
+            raise JobFailedError("the job's restart budget is spent", doc["abort"])
+        members = [Member(**m) for m in doc["members"]]
+        me = next(m for m in members if m.node_id == node.node_id)
+        store_key = self._r(round_, "store")
+        self._worker_store = None
+        if me.group_rank == 0:
+            import torch.distributed as dist
+
+            self._worker_store = dist.TCPStore(
+                "0.0.0.0", 0, is_master=True, wait_for_workers=False, use_libuv=True
+            )
+            self._store.set(store_key, f"{me.addr}:{self._worker_store.port}")
+        while not self._wait(store_key, min(1.0, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise self._timeout_error(round_)
+        store_addr, _, store_port = self._get(store_key).decode().rpartition(":")
+        ordered = sorted(members, key=lambda m: m.group_rank)
+        role_members = [m for m in members if m.role == me.role]
+        result = RoundResult(
+            round=round_,
+            generation=doc["generation"],
+            group_rank=me.group_rank,
+            group_world_size=len(members),
+            rank_offset=me.rank_offset,
+            world_size=sum(m.nproc for m in members),
+            role_rank_offset=me.role_rank_offset,
+            role_world_size=sum(m.nproc for m in role_members),
+            store_addr=store_addr,
+            store_port=int(store_port),
+            members=members,
+            restarts_used=doc["restarts_used"],
+            max_restarts=doc["max_restarts"],
+            lost_nodes=doc.get("lost", []),
+        )
+        with self._lock:
+            self._round = round_
+            self._result = result
+            self._ring = [m.node_id for m in ordered]
+            self._seen_signal = self._count(self._r(round_, "signal"))
+        return result
+
+    # ------------------------------------------------------------------ while running
+    @_store_errors
+    def poll(self) -> RoundChange:
+        if self._error is not None:
+            raise self.store_lost_error(self._error)
+        round_ = self._round
+        if round_ is None or self._result is None:
+            return RoundChange()
+        signal = self._count(self._r(round_, "signal"))
+        if signal == self._seen_signal:
+            return RoundChange()
+        self._seen_signal = signal
+        change = RoundChange()
+        if self._exists(self._k("abort")):
+            change.aborted = self._get(self._k("abort")).decode()
+            return change
+        if self._count(self._r(round_, "gone")):
+            listing = self._get(self._r(round_, "gone_list")).decode()
+            change.lost_nodes = [n for n in listing.split("\n") if n]
+        rejoined = self._count(self._r(round_ + 1, "rejoined"))
+        joined = self._count(self._r(round_ + 1, "joined"))
+        change.new_round_requested = rejoined > 0
+        waiting = joined - rejoined
+        if waiting > 0 and self._result.group_world_size < self.max_nodes:
+            change.nodes_waiting = waiting
+        return change
+
+    @_store_errors
+    def report_failure(self, failure: FailureRecord) -> None:
+        if self._round is None:
+            return
+        self._store.set(self._r(self._round, "fail", failure.node_id), failure.to_json())
+        self._store.append(self._r(self._round, "fail_list"), failure.node_id + "\n")
+
+    @_store_errors
+    def leave(self, reason: str) -> None:
+        if self._round is None or self._node is None:
+            return
+        self._declare_gone(self._round, self._node.node_id, f"left:{reason}")
+
+    @_store_errors
+    def finish(self, timeout: float) -> bool:
+        if self._round is None or self._result is None:
+            return True
+        round_ = self._round
+        self._store.add(self._r(round_, "done"), 1)
+        deadline = time.monotonic() + timeout
+        members = self._result.group_world_size
+        while True:
+            done = self._count(self._r(round_, "done")) + self._count(self._r(round_, "gone"))
+            if done >= members:
+                self._store.set(self._k("finished"), "1")
+                return True
+            if self._exists(self._r(round_ + 1, "closed")) or self._exists(self._k("abort")):
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat.join(timeout=2.0)
+        self._worker_store = None
+        try:
+            if self._node is not None:
+                self._store.delete_key(self._k("hb", self._node.node_id))
+            if self._registered:
+                self._store.add(self._k("agents"), -1)
+            if self._server is not None:
+                # The job's state lives here: stay until the other agents are done with it (bounded).
+                deadline = time.monotonic() + float(self.conf["host_linger"])
+                while self._count(self._k("agents")) > 0 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+        except Exception:
+            pass
+        self._server = None
+        self._store = None
+        self._hb_store = None
+
+    # ------------------------------------------------------------------ introspection
+    @_store_errors
+    def describe(self) -> dict:
+        current = self._count(self._k("current"))
+        doc: dict[str, Any] = {
+            "run_id": self.run_id,
+            "backend": self.backend_name,
+            "endpoint": f"{self.store_host}:{self.store_port}",
+            "open_round": current,
+            "restarts_used": self._count(self._k("restarts_used")),
+            "max_restarts": self.params.max_restarts,
+            "finished": self._exists(self._k("finished")),
+            "aborted": self._get(self._k("abort")).decode() if self._exists(self._k("abort")) else None,
+            "round": None,
+            "members": [],
+            "waiting": self._count(self._r(current, "joined")),
+        }
+        for round_ in range(current - 1, -1, -1):
+            if self._exists(self._r(round_, "result")):
+                result = json.loads(self._get(self._r(round_, "result")))
+                if result.get("abort"):
+                    continue
+                doc["round"] = round_
+                doc["generation"] = result["generation"]
+                now = time.time()
+                for m in result["members"]:
+                    hb_key = self._k("hb", m["node_id"])
+                    age = None
+                    if self._exists(hb_key):
+                        age = now - float(self._get(hb_key).decode().split(":")[1])
+                    gone = self._exists(self._r(round_, "dead", m["node_id"]))
+                    state = "gone" if gone else ("alive" if age is not None and age < 10 else "silent")
+                    doc["members"].append({**m, "heartbeat_age": age, "state": state})
+                break
+        return doc
+
+
+def validate_params(params: RendezvousParameters) -> None:
+    """Reject a bad endpoint or ``--rdzv-conf`` before anything starts."""
+    if not params.endpoint:
+        raise RendezvousConfigError("the c10d backend needs --rdzv-endpoint HOST[:PORT] (or use --standalone)")
+    if "," in params.endpoint:
+        raise RendezvousConfigError("the c10d backend takes one endpoint HOST[:PORT]; lists are for etcd")
+    split_endpoint(params.endpoint, 29400)
+    parse_config(params)
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Factory for ``--rdzv-backend=c10d``."""
+    validate_params(params)
+    host, port = split_endpoint(params.endpoint, 29400)
+    conf = parse_config(params)
+    is_host = conf["is_host"]
+    if port == 0:
+        is_host = True
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    return StoreRendezvousHandler(params, host, port, is_host)

@@ -1,0 +1,65 @@
+"""Heartbeats and the ring watch: how an agent proves it is alive and how a death is noticed.
+
+Every agent writes ``hb/<node_id>`` every ``heartbeat_interval`` seconds with an increasing
+counter and its wall-clock time.  Each member of a closed round watches only its successor in
+group-rank order (a ring), so the cost per agent is constant whatever the job size.  A watcher
+that sees its successor's counter unchanged for ``heartbeat_timeout`` seconds (measured on its
+own monotonic clock, so clocks need not agree) declares it dead in the store and moves on to the
+next successor; if two neighbours die, the one before them still notices both.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+
+class RingWatch:
+    """Tracks one successor's heartbeat counter and says when it went silent."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.target: str | None = None
+        self._last_value: bytes | None = None
+        self._last_change = 0.0
+
+    def retarget(self, node_id: str | None) -> None:
+        if node_id != self.target:
+            self.target = node_id
+            self._last_value = None
+            self._last_change = time.monotonic()
+
+    def observe(self, value: bytes | None) -> bool:
+        """Feed the latest heartbeat value; True when the target is silent past the timeout."""
+        now = time.monotonic()
+        if value is not None and value != self._last_value:
+            self._last_value = value
+            self._last_change = now
+            return False
+        return now - self._last_change >= self.timeout
+
+
+class Heartbeat(threading.Thread):
+    """Calls ``beat()`` every ``interval`` seconds until stopped; reports store errors once."""
+
+    def __init__(self, interval: float, beat: Callable[[], None], on_error: Callable[[Exception], None]) -> None:
+        super().__init__(daemon=True, name="elastrun-heartbeat")
+        self.interval = interval
+        self._beat = beat
+        self._on_error = on_error
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        failures = 0
+        while not self._stop_event.is_set():
+            try:
+                self._beat()
+                failures = 0
+            except Exception as exc:  # store lost or timed out: tell the owner, keep trying
+                failures += 1
+                self._on_error(exc)
+            self._stop_event.wait(self.interval if failures == 0 else min(2.0, self.interval * 2))
+
+    def stop(self) -> None:
+        self._stop_event.set()

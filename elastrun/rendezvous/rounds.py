@@ -1,0 +1,127 @@
+"""Backend-independent rules of a rendezvous round: when it may close, who gets which rank, and
+whether the round that ended is charged to the restart budget.
+
+These are pure functions so that every backend (TCPStore, etcd) applies exactly the same rules
+and the rules are unit-testable.  docs/rendezvous-protocol.md explains them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastrun.rendezvous.api import FailureRecord, Member, NodeInfo
+
+
+@dataclass
+class CloseInputs:
+    """What a closer knows when it decides whether round R may close now."""
+
+    joined: int
+    min_nodes: int
+    max_nodes: int
+    #: Members of the previous completed round (None for a job's first round).
+    prev_members: int | None
+    #: Previous members that joined this round, were declared dead/left, or finished.
+    prev_accounted: int
+    #: Seconds since ``joined`` first reached ``min_nodes`` (None: not reached yet).
+    since_min: float | None
+    last_call: float
+
+
+def close_size(c: CloseInputs) -> int | None:
+    """How many joiners (in arrival order) the round admits if it closes now, or None to keep waiting.
+
+    - ``max_nodes`` joined: close at once with ``max_nodes``.
+    - After a completed round: close as soon as ``min_nodes`` joined and every member of that
+      round is accounted for (rejoined, declared dead, left, or finished).  Closing earlier would
+      split the job in two (a newcomer forming a group beside a running one).
+    - A job's first round: ``min_nodes`` joined and the last-call window passed since then.
+    """
+    if c.joined >= c.max_nodes:
+        return c.max_nodes
+    if c.joined < c.min_nodes:
+        return None
+    if c.prev_members is not None:
+        return c.joined if c.prev_accounted >= c.prev_members else None
+    if c.since_min is not None and c.since_min >= c.last_call:
+        return c.joined
+    return None
+
+
+def assign_ranks(nodes: list[NodeInfo]) -> list[Member]:
+    """Give each node a group rank and the global rank of its first worker.
+
+    Deterministic for a given list.  A node with ``fixed_rank >= 0`` (static backend) gets that
+    rank.  Otherwise a node keeps its previous group rank when that rank is still in range and
+    no other node claims it (the earlier joiner wins), and the remaining nodes fill the free
+    ranks in arrival order.  Global ranks are contiguous: node by node in group-rank order.
+    Role ranks count only the workers of the same role, in the same order.
+    """
+    n = len(nodes)
+    rank_of: dict[int, int] = {}
+    taken: set[int] = set()
+    for i, node in enumerate(nodes):
+        wanted = node.fixed_rank if node.fixed_rank >= 0 else node.prev_group_rank
+        if 0 <= wanted < n and wanted not in taken:
+            rank_of[i] = wanted
+            taken.add(wanted)
+    free = iter(r for r in range(n) if r not in taken)
+    for i in range(n):
+        if i not in rank_of:
+            rank_of[i] = next(free)
+    ordered = sorted(range(n), key=lambda i: rank_of[i])
+    members: list[Member] = []
+    offset = 0
+    role_offsets: dict[str, int] = {}
+    for i in ordered:
+        node = nodes[i]
+        members.append(
+            Member(
+                node_id=node.node_id,
+                addr=node.addr,
+                group_rank=rank_of[i],
+                nproc=node.nproc,
+                rank_offset=offset,
+                role=node.role,
+                role_rank_offset=role_offsets.get(node.role, 0),
+                hostname=node.hostname,
+            )
+        )
+        offset += node.nproc
+        role_offsets[node.role] = role_offsets.get(node.role, 0) + node.nproc
+    return members
+
+
+def is_charged(failures: int, nodes_gone: int) -> bool:
+    """Whether the end of a round spends one restart of the job's budget.
+
+    A round that ended with worker failures and no lost or departed node is charged once, however
+    many ranks failed.  A round in which a node was lost or left is a membership change: the
+    failures of the survivors' workers are its consequence, so nothing is charged.
+    """
+    return failures > 0 and nodes_gone == 0
+
+
+def root_cause(failures: list[FailureRecord]) -> FailureRecord | None:
+    """The failure to blame: the earliest one (consequential failures of peers come later)."""
+    if not failures:
+        return None
+    return min(failures, key=lambda f: (f.timestamp, f.rank))
+
+
+def format_failure(failure: FailureRecord, max_lines: int = 40) -> str:
+    """Human-readable root cause: rank, node, exit code or signal, time, and the traceback."""
+    import datetime
+
+    when = datetime.datetime.fromtimestamp(failure.timestamp).isoformat(sep=" ", timespec="milliseconds")
+    how = f"killed by {failure.signal}" if failure.signal else f"exit code {failure.exitcode}"
+    head = (
+        f"root cause: rank {failure.rank} (local rank {failure.local_rank}) on node "
+        f"{failure.hostname or failure.node_id} [{failure.node_id}] failed at {when}: {how}"
+    )
+    body = failure.message.strip()
+    if body:
+        lines = body.splitlines()[-max_lines:]
+        body = "\n".join("    " + line for line in lines)
+        return f"{head}\n{body}"
+    return head

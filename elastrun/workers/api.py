@@ -1,0 +1,130 @@
+"""The contract between the agent and the code that starts worker processes.
+
+The agent describes each worker with a :class:`WorkerLaunch` and hands the list to a
+:class:`WorkerStarter`, which returns one :class:`WorkerHandle` per worker.  Two starters exist:
+``ExecStarter`` (a fresh interpreter per worker, like torchrun) and the warm pool's forking
+starter.  Whatever the starter, a handle behaves like a child process of the agent: it has a PID
+that leads its own process group, it can be waited on without blocking (``fileno`` is a pidfd
+that becomes readable when the process exits), and it reports an exit code or a signal.
+
+Example::
+
+    starter = ExecStarter()
+    handles = [starter.start(launch) for launch in launches]
+    while not all(h.poll() is not None for h in handles):
+        wait_for_any(handles, timeout=0.1)
+"""
+
+from __future__ import annotations
+
+import abc
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class WorkerLaunch:
+    """Everything needed to start one worker process."""
+
+    local_rank: int
+    rank: int
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    #: Files that receive the worker's stdout / stderr (None: inherit the agent's stream).
+    stdout_path: Path | None = None
+    stderr_path: Path | None = None
+    #: Also copy the redirected streams to the agent's console, prefixed.
+    tee_stdout: bool = False
+    tee_stderr: bool = False
+    #: Prefix of every console line, e.g. ``"[node0 rank3]: "``.
+    console_prefix: str = ""
+    #: False to hide this rank's console output (``--local-ranks-filter``); files are still written.
+    show_on_console: bool = True
+    error_file: Path | None = None
+    #: Python entry point parts, for starters that run Python code in-process instead of exec.
+    python_target: str | None = None
+    python_module: bool = False
+    python_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ExitStatus:
+    """How a worker ended: ``exitcode`` for a normal exit, ``signal`` (number) when killed."""
+
+    exitcode: int | None
+    signal: int | None
+    timestamp: float
+
+    @property
+    def succeeded(self) -> bool:
+        return self.exitcode == 0
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.signal is None:
+            return None
+        try:
+            return signal.Signals(self.signal).name
+        except ValueError:
+            return f"signal {self.signal}"
+
+    def describe(self) -> str:
+        if self.signal is not None:
+            return f"killed by {self.signal_name}"
+        return f"exit code {self.exitcode}"
+
+
+class WorkerHandle(abc.ABC):
+    """A started worker.  All methods are non-blocking except :meth:`wait`."""
+
+    pid: int
+    launch: WorkerLaunch
+
+    @abc.abstractmethod
+    def poll(self) -> ExitStatus | None:
+        """The exit status if the worker has ended (reaping it), else None."""
+
+    @abc.abstractmethod
+    def fileno(self) -> int:
+        """A descriptor that becomes readable when the worker exits (for ``select``)."""
+
+    @abc.abstractmethod
+    def send_signal(self, sig: int) -> None:
+        """Deliver ``sig`` to the worker's whole process group; no error if it is already gone."""
+
+    def wait(self, timeout: float | None = None) -> ExitStatus | None:
+        """Block until the worker ends or ``timeout`` passes."""
+        import select
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            status = self.poll()
+            if status is not None:
+                return status
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if remaining == 0.0:
+                return None
+            select.select([self.fileno()], [], [], remaining if remaining is not None else 1.0)
+
+    def close(self) -> None:
+        """Release descriptors and log pumps.  Only after the worker has been reaped."""
+
+
+class WorkerStarter(abc.ABC):
+    """Starts workers.  Lives as long as the agent; ``close`` ends any helper processes."""
+
+    #: Short name shown in logs ("exec", "fork-pool").
+    name: str = ""
+
+    @abc.abstractmethod
+    def start(self, launch: WorkerLaunch) -> WorkerHandle:
+        """Start one worker; raise ``OSError`` if it cannot be started."""
+
+    def prepare(self) -> None:
+        """Optional warm-up before the first start (e.g. begin importing torch in a template)."""
+
+    def close(self) -> None:
+        """Stop helper processes; called once when the agent exits."""

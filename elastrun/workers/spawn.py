@@ -1,0 +1,183 @@
+"""Starting workers as fresh processes (``--start-method spawn``) and handling them afterwards.
+
+Each worker:
+
+- leads its own process group, so the agent signals the worker *and* its children (DataLoader
+  workers, subprocesses) with one ``killpg``, and a Ctrl-C on the terminal reaches only the
+  agent, which forwards it once;
+- dies with the agent: a small exec shim sets ``PR_SET_PDEATHSIG=SIGKILL`` and checks that the
+  agent is still its parent before exec'ing the real command, so even a SIGKILLed agent leaves
+  no orphan (torchrun's workers keep running);
+- is watched through a pidfd, so the agent wakes the moment a worker exits instead of polling.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from elastrun.workers.api import ExitStatus, WorkerHandle, WorkerLaunch, WorkerStarter
+from elastrun.workers.logs import StreamPump
+
+#: Serialises console writes of all pumps of this agent.
+CONSOLE_LOCK = threading.Lock()
+
+# Runs under ``python -S``: set the parent-death signal, make sure the agent did not die before
+# that, then become the real worker.  argv: shim, agent_pid, program, args...
+_PDEATHSIG_SHIM = (
+    "import ctypes,os,signal,sys\n"
+    "libc=ctypes.CDLL(None,use_errno=True)\n"
+    "libc.prctl(1,signal.SIGKILL,0,0,0)\n"
+    "os.getppid()==int(sys.argv[1]) or os._exit(137)\n"
+    "os.execvp(sys.argv[2],sys.argv[2:])\n"
+)
+
+
+def _shim_argv(argv: list[str]) -> list[str]:
+    return [sys.executable, "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
+
+
+class StreamSet:
+    """The pipes and pumps of one worker's stdout and stderr."""
+
+    def __init__(self, launch: WorkerLaunch) -> None:
+        console_out = sys.stdout.buffer if launch.show_on_console else None
+        console_err = sys.stderr.buffer if launch.show_on_console else None
+        # A redirected stream goes to its file only, unless tee'd.
+        if launch.stdout_path is not None and not launch.tee_stdout:
+            console_out = None
+        if launch.stderr_path is not None and not launch.tee_stderr:
+            console_err = None
+        out_r, self.out_w = os.pipe()
+        err_r, self.err_w = os.pipe()
+        self.out = StreamPump(out_r, console_out, CONSOLE_LOCK, launch.console_prefix, launch.stdout_path, False)
+        self.err = StreamPump(err_r, console_err, CONSOLE_LOCK, launch.console_prefix, launch.stderr_path, True)
+
+    def start(self) -> None:
+        """Close the agent's copies of the write ends (the child holds them) and start pumping."""
+        os.close(self.out_w)
+        os.close(self.err_w)
+        self.out.start()
+        self.err.start()
+
+    def abandon(self) -> None:
+        """Undo a failed start."""
+        for fd in (self.out_w, self.err_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def join(self, timeout: float = 2.0) -> None:
+        self.out.join(timeout)
+        self.err.join(timeout)
+
+
+def exit_status_from_wait(status: int) -> ExitStatus:
+    """Turn a ``waitpid`` status into an :class:`ExitStatus`."""
+    if os.WIFSIGNALED(status):
+        return ExitStatus(exitcode=None, signal=os.WTERMSIG(status), timestamp=time.time())
+    return ExitStatus(exitcode=os.waitstatus_to_exitcode(status), signal=None, timestamp=time.time())
+
+
+class ChildHandle(WorkerHandle):
+    """A worker that is a direct child of the agent (exec'd), watched through a pidfd."""
+
+    def __init__(self, launch: WorkerLaunch, proc: subprocess.Popen, streams: StreamSet) -> None:
+        self.launch = launch
+        self.pid = proc.pid
+        self._proc = proc
+        self.streams = streams
+        self._pidfd = os.pidfd_open(proc.pid)
+        self._status: ExitStatus | None = None
+
+    def poll(self) -> ExitStatus | None:
+        if self._status is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.pid, 0
+            if pid == 0:
+                return None
+            self._status = exit_status_from_wait(status)
+            self._proc.returncode = self._status.exitcode if self._status.signal is None else -self._status.signal
+        return self._status
+
+    def fileno(self) -> int:
+        return self._pidfd
+
+    def send_signal(self, sig: int) -> None:
+        if self._status is not None:
+            return
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    @property
+    def stderr_pump(self) -> StreamPump:
+        return self.streams.err
+
+    def close(self) -> None:
+        self.streams.join()
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+
+class ExecStarter(WorkerStarter):
+    """Starts each worker as a new interpreter (what torchrun does), with the orphan guard."""
+
+    name = "exec"
+
+    def start(self, launch: WorkerLaunch) -> WorkerHandle:
+        streams = StreamSet(launch)
+        try:
+            proc = subprocess.Popen(
+                _shim_argv(launch.argv),
+                env=launch.env,
+                cwd=launch.cwd,
+                stdout=streams.out_w,
+                stderr=streams.err_w,
+                process_group=0,
+                close_fds=True,
+            )
+        except OSError:
+            streams.abandon()
+            raise
+        streams.start()
+        return ChildHandle(launch, proc, streams)
+
+
+def kill_process_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal ``pid``'s process group and every descendant (those that left the group too)."""
+    import psutil
+
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for child in children:
+        try:
+            child.send_signal(sig)
+        except psutil.Error:
+            pass
+
+
+def error_file_path(base: Path, generation: int, rank: int) -> Path:
+    """Where rank ``rank`` of generation ``generation`` writes its error file."""
+    return base / f"attempt_{generation}" / f"rank_{rank}" / "error.json"

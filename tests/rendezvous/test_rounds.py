@@ -1,0 +1,79 @@
+"""The pure rules of a round: closing, rank assignment, budget charging, root cause."""
+
+from elastrun.rendezvous.api import FailureRecord, NodeInfo
+from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, format_failure, is_charged, root_cause
+
+
+def _inputs(**kw):
+    base = dict(joined=1, min_nodes=1, max_nodes=3, prev_members=None, prev_accounted=0, since_min=0.0,
+                last_call=1.0)
+    base.update(kw)
+    return CloseInputs(**base)
+
+
+def test_first_round_waits_for_last_call_then_closes():
+    assert close_size(_inputs(joined=0, since_min=None)) is None
+    assert close_size(_inputs(joined=1, since_min=0.5)) is None
+    assert close_size(_inputs(joined=2, since_min=1.0)) == 2
+
+
+def test_max_nodes_closes_at_once():
+    assert close_size(_inputs(joined=3, since_min=0.0)) == 3
+    assert close_size(_inputs(joined=5, since_min=0.0)) == 3
+
+
+def test_later_round_waits_for_every_previous_member():
+    # Two of three previous members accounted for: a newcomer must not form a group beside them.
+    assert close_size(_inputs(joined=2, prev_members=3, prev_accounted=2, since_min=99)) is None
+    assert close_size(_inputs(joined=2, prev_members=3, prev_accounted=3, since_min=0)) == 2
+    # Below the minimum it waits even when everyone is accounted for.
+    assert close_size(_inputs(joined=1, min_nodes=2, prev_members=2, prev_accounted=2)) is None
+
+
+def _node(name, prev=-1, fixed=-1, nproc=2, role="default"):
+    return NodeInfo(node_id=name, addr="127.0.0.1", nproc=nproc, role=role, prev_group_rank=prev, fixed_rank=fixed)
+
+
+def test_ranks_are_contiguous_and_keep_previous_group_rank():
+    members = assign_ranks([_node("a"), _node("b", prev=0), _node("c", prev=1, nproc=3)])
+    by_id = {m.node_id: m for m in members}
+    assert by_id["b"].group_rank == 0 and by_id["c"].group_rank == 1 and by_id["a"].group_rank == 2
+    assert [m.rank_offset for m in sorted(members, key=lambda m: m.group_rank)] == [0, 2, 5]
+
+
+def test_conflicting_previous_ranks_go_to_the_earlier_joiner():
+    members = assign_ranks([_node("a", prev=0), _node("b", prev=0)])
+    assert {m.node_id: m.group_rank for m in members} == {"a": 0, "b": 1}
+
+
+def test_out_of_range_previous_rank_is_reassigned():
+    members = assign_ranks([_node("a", prev=5), _node("b")])
+    assert sorted(m.group_rank for m in members) == [0, 1]
+
+
+def test_fixed_ranks_win():
+    members = assign_ranks([_node("a", fixed=1), _node("b", fixed=0)])
+    assert {m.node_id: m.group_rank for m in members} == {"a": 1, "b": 0}
+
+
+def test_role_ranks_count_within_role():
+    members = assign_ranks([_node("a", role="x"), _node("b", role="y"), _node("c", role="x")])
+    by_id = {m.node_id: m for m in members}
+    assert by_id["a"].role_rank_offset == 0 and by_id["c"].role_rank_offset == 2
+    assert by_id["b"].role_rank_offset == 0
+
+
+def test_charging_rules():
+    assert is_charged(failures=2, nodes_gone=0)
+    assert not is_charged(failures=2, nodes_gone=1)
+    assert not is_charged(failures=0, nodes_gone=0)
+
+
+def test_root_cause_is_the_earliest_failure():
+    late = FailureRecord("n1", "h1", 3, 1, 1, None, 10.0, "consequence")
+    early = FailureRecord("n2", "h2", 0, 0, None, "SIGSEGV", 5.0, "Traceback ...\nboom")
+    cause = root_cause([late, early])
+    assert cause is early
+    text = format_failure(cause)
+    assert "rank 0" in text and "killed by SIGSEGV" in text and "boom" in text
+    assert root_cause([]) is None

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Creates .venv with elastrun (editable) and its dev tools; installs etcd and iproute2 when root.
+# Idempotent: a second run only checks.  torch is pinned to the CPU build 2.13.0 for dev and CI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null || PY=python3
+if [ "$(id -u)" = 0 ] && { ! command -v etcd >/dev/null || ! command -v ip >/dev/null; }; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq etcd-server iproute2 >/dev/null
+fi
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import elastrun, torch, pytest" 2>/dev/null || [ "${FORCE_INSTALL:-0}" = 1 ]; then
+    .venv/bin/pip install -q --upgrade pip
+    .venv/bin/pip install -q "torch==2.13.0" -e ".[dev]"
+fi
