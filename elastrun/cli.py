@@ -174,9 +174,14 @@ FLAGS: tuple[Flag, ...] = (
              "Also print the JSON-lines event log on stdout."),
         Flag(("--metrics-port",), "metrics_port", "PORT", None, "Serve metrics on this port (default: off)."),
         Flag(("--hang-timeout",), "hang_timeout", "SECONDS", None,
-             "Restart the workers when none has reported progress for this long (default: off)."),
+             "A worker that sends progress heartbeats (elastrun.heartbeat, elastrun.train's commit) and then "
+             "stays silent this long is dumped and restarted (default: learned, 10 x its slowest step, "
+             "at least 30 s)."),
         Flag(("--startup-timeout",), "startup_timeout", "SECONDS", None,
-             "Fail a worker that has not started within this long (default: off)."),
+             "Fail a worker that has not sent its first heartbeat within this long (default: off)."),
+        Flag(("--crash-loop-limit",), "crash_loop_limit", "N", "3",
+             "Stop the job, with exit code 3 (do not requeue), after N failed attempts in a row in which "
+             "no worker made progress; 0 turns the check off."),
         Flag(("-q", "--quiet"), "quiet", None, None, "Print only errors and the failure summary."),
         Flag(("-v", "--verbose"), "verbose", None, None, "Print the agent's debug messages."),
         Flag(("-h", "--help"), "help", None, None, "Show this help and exit."),
@@ -706,6 +711,7 @@ def _extras(s: _Settings, warnings: list[str]) -> dict[str, object]:
         "stop_timeout": s.seconds("stop_timeout", "use seconds >= 0"),
         "exit_barrier_timeout": s.seconds("exit_barrier_timeout", "use seconds >= 0"),
         "hang_timeout": s.optional_seconds("hang_timeout"),
+        "crash_loop_limit": s.int("crash_loop_limit", 0, None, "use an integer >= 0"),
         "startup_timeout": s.optional_seconds("startup_timeout"),
         "preload": preload,
         "event_log_stdout": s.on("event_log_stdout"),

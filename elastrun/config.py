@@ -29,6 +29,9 @@ DEFAULT_MASTER_PORT = 29500
 DEFAULT_STOP_TIMEOUT = 20.0
 DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
 
+#: Exit code of an agent whose job failed in a way a retry will not fix (a crash loop): do not requeue.
+EXIT_NO_REQUEUE = 3
+
 
 @dataclass
 class LaunchConfig:
@@ -74,6 +77,7 @@ class LaunchConfig:
     verbose: bool = False
     hang_timeout: float | None = None
     startup_timeout: float | None = None
+    crash_loop_limit: int = 3
 
     def worker_argv(self, python: str) -> list[str]:
         """The command line that an exec'd worker runs (``python`` is the interpreter to use)."""

@@ -48,6 +48,7 @@ def rendezvous_parameters(config: LaunchConfig) -> RendezvousParameters:
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,
         max_restarts=config.max_restarts,
+        crash_loop_limit=config.crash_loop_limit,
         local_addr=config.local_addr,
         config=dict(config.rdzv_configs),
         node_rank=config.node_rank,

@@ -32,6 +32,7 @@ from enum import Enum
 from pathlib import Path
 
 from elastrun.agent.console import Console
+from elastrun.agent.hang import HangTracker
 from elastrun.config import LaunchConfig, Std
 from elastrun.observe.events import EventLog
 from elastrun.rendezvous.api import (
@@ -87,6 +88,7 @@ class GroupEnd:
     failure: FailureRecord | None = None
     reason: str = ""
     detected_at: float = 0.0
+    exit_code: int = 1
 
 
 def make_node_id() -> str:
@@ -124,6 +126,8 @@ class LocalAgent:
         self._tmp_dir = Path(tempfile.mkdtemp(prefix="elastrun-agent-"))
         self.error_dir = self.log_dir if self.log_dir is not None else self._tmp_dir
         self.snapshot_dir = self._make_snapshot_dir()
+        self.heartbeat_dir = Path(tempfile.mkdtemp(prefix="elastrun-hb-", dir=self.snapshot_dir.parent))
+        self.trackers: dict[int, HangTracker] = {}
         events_path = self.log_dir / f"events-{self.node_id}.jsonl" if self.log_dir else None
         self.events = EventLog(self.node_id, events_path, sys.stdout if config.event_log_stdout else None)
         self.workers: list[WorkerHandle] = []
@@ -183,6 +187,7 @@ class LocalAgent:
                 self.console.debug(f"rendezvous close failed: {exc}")
             self.starter.close()
             shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+            shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
             shutil.rmtree(self._tmp_dir, ignore_errors=True)
             self.events.emit("agent_exit", exitcode=code, reason=reason)
             self.events.close()
@@ -218,8 +223,8 @@ class LocalAgent:
                 result = self._rendezvous(node)
             except JobFailedError as exc:
                 self.console.error(exc.summary or str(exc))
-                self.events.emit("job_failed", reason=exc.summary or str(exc))
-                return 1, "job failed"
+                self.events.emit("job_failed", reason=exc.summary or str(exc), exitcode=exc.exit_code)
+                return exc.exit_code, "job failed"
             except JobFinishedError as exc:
                 self.console.info(str(exc))
                 return 0, "job already finished"
@@ -249,8 +254,8 @@ class LocalAgent:
                 return 128 + self._pending_signal, end.reason
             if end.outcome is Outcome.ABORTED:
                 self.console.error(end.reason)
-                self.events.emit("job_failed", reason=end.reason)
-                return 1, "job failed"
+                self.events.emit("job_failed", reason=end.reason, exitcode=end.exit_code)
+                return end.exit_code, "job failed"
             if end.outcome is Outcome.FAILED and end.failure is not None:
                 self._report_failure(end.failure)
             self._fault_at = end.detected_at
@@ -319,7 +324,9 @@ class LocalAgent:
             node_id=self.node_id,
             error_file=str(error_file),
             snapshot_dir=str(self.snapshot_dir),
+            extra={"ELASTRUN_HEARTBEAT_FILE": str(self.heartbeat_dir / f"rank_{rank}")},
         )
+        env.setdefault("PYTHONFAULTHANDLER", "1")
         redirect, tee = self._streams_for(local_rank)
         files = redirect | tee
         log_base = (self.log_dir or self._tmp_dir) / f"attempt_{result.generation}" / f"rank_{rank}"
@@ -353,8 +360,13 @@ class LocalAgent:
 
     def _start_workers(self, result: RoundResult) -> None:
         self.workers = []
+        self.trackers = {}
         for local_rank in range(self.config.nproc_per_node):
             launch = self._launch_for(result, local_rank)
+            hb_path = launch.env["ELASTRUN_HEARTBEAT_FILE"]
+            if os.path.exists(hb_path):
+                os.unlink(hb_path)
+            self.trackers[local_rank] = HangTracker(hb_path, self.config.hang_timeout, self.config.startup_timeout)
             handle = self.starter.start(launch)
             self.workers.append(handle)
             self.events.emit(
@@ -406,6 +418,9 @@ class LocalAgent:
                 return GroupEnd(Outcome.FAILED, failure, f"the failure of rank {failure.rank}", detected)
             if len(statuses) == len(self.workers):
                 return GroupEnd(Outcome.SUCCEEDED)
+            hung = self._find_hang(statuses)
+            if hung is not None:
+                return self._end_for_hang(result, *hung)
             if time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + interval
                 try:
@@ -415,7 +430,7 @@ class LocalAgent:
                     return GroupEnd(Outcome.ABORTED, reason=str(exc))
                 if change.aborted:
                     self._kill_workers()
-                    return GroupEnd(Outcome.ABORTED, reason=change.aborted)
+                    return GroupEnd(Outcome.ABORTED, reason=change.aborted, exit_code=change.abort_exit_code)
                 if change.restart_needed:
                     detected = time.monotonic()
                     self._kill_workers()
@@ -426,6 +441,31 @@ class LocalAgent:
                     self.events.emit("restart", round=result.round, reason=reason,
                                      restarts_used=result.restarts_used, max_restarts=result.max_restarts)
                     return GroupEnd(Outcome.MEMBERSHIP, reason=reason, detected_at=detected)
+
+    def _find_hang(self, statuses: dict[int, ExitStatus]) -> tuple[WorkerHandle, str] | None:
+        now = time.time()
+        for handle in self.workers:
+            if handle.launch.local_rank in statuses:
+                continue
+            reason = self.trackers[handle.launch.local_rank].check(now)
+            if reason is not None:
+                return handle, reason
+        return None
+
+    def _end_for_hang(self, result: RoundResult, handle: WorkerHandle, reason: str) -> GroupEnd:
+        """Dump the hung worker's Python stacks (faulthandler on SIGABRT), kill the group, record it."""
+        detected = time.monotonic()
+        rank = handle.launch.rank
+        self.console.error(f"rank {rank} is hung: {reason}; dumping its stack to its stderr and restarting")
+        self.events.emit("hang_detected", round=result.round, rank=rank, local_rank=handle.launch.local_rank,
+                         reason=reason)
+        handle.send_signal(signal.SIGABRT)
+        handle.send_signal(signal.SIGCONT)
+        status = handle.wait(3.0) or ExitStatus(exitcode=None, signal=signal.SIGKILL, timestamp=time.time())
+        self._kill_workers()
+        failure = self._failure_record(result, [(handle, status)])
+        failure.message = f"hang detected: {reason}\n{failure.message}"
+        return GroupEnd(Outcome.FAILED, failure, f"the hang of rank {rank}", detected)
 
     @staticmethod
     def _describe_change(change) -> str:
@@ -470,6 +510,7 @@ class LocalAgent:
                 )
             )
         first = min(records, key=lambda r: (r.timestamp, r.rank))
+        first.progress = any(t.made_progress() for t in self.trackers.values())
         self.events.emit(
             "worker_failure",
             round=result.round,

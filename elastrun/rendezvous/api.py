@@ -52,9 +52,11 @@ class JobFailedError(RendezvousError):
     ``summary`` is the root-cause text that every agent prints.
     """
 
-    def __init__(self, message: str, summary: str = "") -> None:
+    def __init__(self, message: str, summary: str = "", exit_code: int = 1) -> None:
         super().__init__(message)
         self.summary = summary
+        #: 1: failed (a requeue may help); 3 (``EXIT_NO_REQUEUE``): a crash loop, do not requeue.
+        self.exit_code = exit_code
 
 
 class JobFinishedError(RendezvousError):
@@ -135,6 +137,8 @@ class RoundChange:
     new_round_requested: bool = False
     #: The job was ended; ``JobFailedError.summary``-style text.
     aborted: str | None = None
+    #: Exit code the agents use for that end (see ``JobFailedError.exit_code``).
+    abort_exit_code: int = 1
 
     @property
     def restart_needed(self) -> bool:
@@ -153,6 +157,8 @@ class FailureRecord:
     signal: str | None
     timestamp: float
     message: str = ""
+    #: Whether the failed attempt made progress on this node (heartbeats, or a long enough run).
+    progress: bool = True
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -178,6 +184,8 @@ class RendezvousParameters:
     max_restarts: int = 0
     local_addr: str | None = None
     config: dict[str, str] = field(default_factory=dict)
+    #: Failed attempts in a row without progress that end the job (0: never).
+    crash_loop_limit: int = 3
     #: static backend only
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

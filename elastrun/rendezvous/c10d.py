@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any
 
+from elastrun.config import EXIT_NO_REQUEUE
 from elastrun.rendezvous.api import (
     FailureRecord,
     JobFailedError,
@@ -39,7 +40,16 @@ from elastrun.rendezvous.api import (
     RoundResult,
 )
 from elastrun.rendezvous.keepalive import Heartbeat, RingWatch
-from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, format_failure, is_charged, root_cause
+from elastrun.rendezvous.rounds import (
+    CloseInputs,
+    assign_ranks,
+    close_size,
+    format_failure,
+    is_charged,
+    is_crash_loop,
+    next_no_progress_streak,
+    root_cause,
+)
 
 #: ``--rdzv-conf`` keys of the store backends, with defaults (seconds unless noted).
 CONFIG_DEFAULTS: dict[str, Any] = {
@@ -356,9 +366,13 @@ class StoreRendezvousHandler(RendezvousHandler):
     def _check_job_ended(self) -> None:
         if self._exists(self._k("abort")):
             summary = self._get(self._k("abort")).decode()
-            raise JobFailedError("the job was ended by another node", summary)
+            raise JobFailedError("the job was ended by another node", summary, self._abort_code())
         if self._exists(self._k("finished")):
             raise JobFinishedError(f"job {self.run_id!r} has already finished")
+
+    def _abort_code(self) -> int:
+        key = self._k("abort_code")
+        return int(self._get(key)) if self._exists(key) else 1
 
     def _timeout_error(self, round_: int) -> RendezvousTimeoutError:
         joined = self._count(self._r(round_, "joined"))
@@ -439,22 +453,35 @@ class StoreRendezvousHandler(RendezvousHandler):
         used = self._count(self._k("restarts_used"))
         abort = None
         lost: list[str] = []
+        abort_code = 1
         if has_prev:
             failures = self._failures(round_ - 1)
             gone = self._count(self._r(round_ - 1, "gone"))
             if gone:
                 listing = self._get(self._r(round_ - 1, "gone_list")).decode()
                 lost = [n for n in listing.split("\n") if n]
-            if is_charged(len(failures), gone):
+            charged = is_charged(len(failures), gone)
+            if charged:
                 used = int(self._store.add(self._k("restarts_used"), 1))
-            if used > self.params.max_restarts:
-                cause = root_cause(failures)
+            streak_key = self._k("no_progress_streak")
+            streak = int(self._get(streak_key)) if self._exists(streak_key) else 0
+            streak = next_no_progress_streak(streak, failures, charged)
+            self._store.set(streak_key, str(streak))
+            cause = root_cause(failures)
+            if is_crash_loop(streak, self.params.crash_loop_limit):
+                abort_code = EXIT_NO_REQUEUE
+                abort = (
+                    f"job {self.run_id!r} stopped: a crash loop ({streak} failed attempts in a row without "
+                    "progress; --crash-loop-limit). Retrying will not help: fix the cause below "
+                    f"(exit code {EXIT_NO_REQUEUE}: do not requeue)"
+                )
+            elif used > self.params.max_restarts:
                 abort = (
                     f"job {self.run_id!r} failed: its restart budget (--max-restarts={self.params.max_restarts}) "
                     f"is spent ({used} failure(s))"
                 )
-                if cause is not None:
-                    abort += "\n" + format_failure(cause)
+            if abort is not None and cause is not None:
+                abort += "\n" + format_failure(cause)
         generation = int(self._store.add(self._k("generation"), 1)) - 1
         doc = {
             "members": [dataclasses.asdict(m) for m in members],
@@ -465,8 +492,10 @@ class StoreRendezvousHandler(RendezvousHandler):
             "lost": lost,
             "closed_at": time.time(),
         }
+        doc["abort_code"] = abort_code
         self._store.set(self._r(round_, "result"), json.dumps(doc))
         if abort is not None:
+            self._store.set(self._k("abort_code"), str(abort_code))
             self._store.set(self._k("abort"), abort)
 
     def _await_result(self, round_: int, node: NodeInfo, deadline: float) -> RoundResult:
@@ -476,7 +505,7 @@ class StoreRendezvousHandler(RendezvousHandler):
                 raise self._timeout_error(round_)
         doc = json.loads(self._get(key))
         if doc.get("abort"):
-            raise JobFailedError("the job's restart budget is spent", doc["abort"])
+            raise JobFailedError("the job was ended", doc["abort"], int(doc.get("abort_code", 1)))
         members = [Member(**m) for m in doc["members"]]
         me = next(m for m in members if m.node_id == node.node_id)
         store_key = self._r(round_, "store")
@@ -532,6 +561,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         change = RoundChange()
         if self._exists(self._k("abort")):
             change.aborted = self._get(self._k("abort")).decode()
+            change.abort_exit_code = self._abort_code()
             return change
         if self._count(self._r(round_, "gone")):
             listing = self._get(self._r(round_, "gone_list")).decode()
@@ -590,15 +620,31 @@ class StoreRendezvousHandler(RendezvousHandler):
             if self._registered:
                 self._store.add(self._k("agents"), -1)
             if self._server is not None:
-                # The job's state lives here: stay until the other agents are done with it (bounded).
-                deadline = time.monotonic() + float(self.conf["host_linger"])
-                while self._count(self._k("agents")) > 0 and time.monotonic() < deadline:
-                    time.sleep(0.1)
+                self._linger_for_others()
         except Exception:
             pass
         self._server = None
         self._store = None
         self._hb_store = None
+
+    def _linger_for_others(self) -> None:
+        """The job's state lives in this process: stay until the other live agents are done with it.
+
+        An agent that exits deletes its heartbeat key; one that was killed leaves a key that stops
+        changing.  Wait (at most ``host_linger`` s) until every other member's key is gone or silent.
+        """
+        deadline = time.monotonic() + float(self.conf["host_linger"])
+        others = [n for n in self._ring if self._node is None or n != self._node.node_id]
+        watches = {n: RingWatch(self.conf["heartbeat_timeout"]) for n in others}
+        while time.monotonic() < deadline and self._count(self._k("agents")) > 0:
+            pending = False
+            for node_id, watch in watches.items():
+                key = self._k("hb", node_id)
+                if self._exists(key) and not watch.observe(self._get(key)):
+                    pending = True
+            if not pending:
+                return
+            time.sleep(0.1)
 
     # ------------------------------------------------------------------ introspection
     @_store_errors

@@ -22,7 +22,7 @@ class RingWatch:
         self.timeout = timeout
         self.target: str | None = None
         self._last_value: bytes | None = None
-        self._last_change = 0.0
+        self._last_change = time.monotonic()
 
     def retarget(self, node_id: str | None) -> None:
         if node_id != self.target:

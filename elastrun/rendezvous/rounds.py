@@ -102,6 +102,22 @@ def is_charged(failures: int, nodes_gone: int) -> bool:
     return failures > 0 and nodes_gone == 0
 
 
+def next_no_progress_streak(streak: int, failures: list[FailureRecord], charged: bool) -> int:
+    """Failed attempts in a row that made no progress, after the round that just ended.
+
+    A charged round in which no failed node made progress extends the streak; any progress, or
+    a round that was not a failure, resets it.
+    """
+    if not charged:
+        return 0
+    return 0 if any(f.progress for f in failures) else streak + 1
+
+
+def is_crash_loop(streak: int, limit: int) -> bool:
+    """Whether ``streak`` failed attempts without progress mean the job should stop (``limit`` 0: never)."""
+    return limit > 0 and streak >= limit
+
+
 def root_cause(failures: list[FailureRecord]) -> FailureRecord | None:
     """The failure to blame: the earliest one (consequential failures of peers come later)."""
     if not failures:
