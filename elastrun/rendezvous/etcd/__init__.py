@@ -1,0 +1,124 @@
+"""The ``etcd`` rendezvous backend (alias ``etcd-v3``): rounds on an etcd cluster through its v3 API.
+
+The job's state lives in a replicated etcd cluster, not in any agent, so the job survives the loss
+of any one node or any one etcd member (of three).  docs/etcd.md says how to run etcd for a job
+and lists every ``--rdzv-conf`` key; :mod:`elastrun.rendezvous.etcd.handler` documents the keys
+written.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from elastrun.rendezvous.api import RendezvousConfigError, RendezvousHandler, RendezvousParameters
+
+#: ``--rdzv-conf`` keys of the etcd backend, with defaults (seconds unless noted).
+CONFIG_DEFAULTS: dict[str, Any] = {
+    "join_timeout": 600.0,
+    "last_call_timeout": 1.0,
+    "lease_ttl": 3.0,
+    "keepalive_interval": 0.5,
+    "request_timeout": 3.0,
+    "outage_timeout": 600.0,
+    "job_ttl": 600.0,
+    "protocol": None,
+    "ca_cert": None,
+    "client_cert": None,
+    "client_key": None,
+    "username": None,
+    "password": None,
+    "password_file": None,
+}
+#: torchrun's names (its etcd and c10d backends) accepted as aliases.
+CONFIG_ALIASES = {
+    "timeout": "join_timeout",
+    "cacert": "ca_cert",
+    "cert": "client_cert",
+    "key": "client_key",
+    "heartbeat_interval": "keepalive_interval",
+    "keep_alive_interval": "keepalive_interval",
+    "heartbeat_timeout": "lease_ttl",
+    "user": "username",
+}
+IGNORED_TORCHRUN_KEYS = {"close_timeout", "keep_alive_max_attempt", "use_libuv"}
+DEFAULT_PORT = 2379
+
+
+def parse_config(params: RendezvousParameters) -> dict[str, Any]:
+    """Typed ``--rdzv-conf`` values; unknown keys and bad combinations are errors that say what is allowed."""
+    values = dict(CONFIG_DEFAULTS)
+    for raw_key in params.config:
+        if raw_key in IGNORED_TORCHRUN_KEYS:
+            continue
+        key = CONFIG_ALIASES.get(raw_key, raw_key)
+        if key not in CONFIG_DEFAULTS:
+            known = ", ".join(sorted(CONFIG_DEFAULTS))
+            raise RendezvousConfigError(
+                f"unknown --rdzv-conf key {raw_key!r} for backend {params.backend!r}; known keys: {known}"
+            )
+        if isinstance(CONFIG_DEFAULTS[key], float):
+            values[key] = params.get_float(raw_key, CONFIG_DEFAULTS[key])
+        else:
+            values[key] = params.get_str(raw_key)
+    if values["keepalive_interval"] <= 0:
+        raise RendezvousConfigError("--rdzv-conf keepalive_interval must be positive")
+    if values["lease_ttl"] < 2 * values["keepalive_interval"] or values["lease_ttl"] < 1:
+        raise RendezvousConfigError(
+            f"--rdzv-conf lease_ttl={values['lease_ttl']:g} must be at least 1 s and at least twice "
+            f"keepalive_interval={values['keepalive_interval']:g}"
+        )
+    if values["request_timeout"] <= 0:
+        raise RendezvousConfigError("--rdzv-conf request_timeout must be positive")
+    if values["job_ttl"] < 10 * values["lease_ttl"]:
+        raise RendezvousConfigError("--rdzv-conf job_ttl must be at least 10 times lease_ttl")
+    for key in ("ca_cert", "client_cert", "client_key", "password_file"):
+        path = values[key]
+        if path is not None and not os.path.isfile(path):
+            raise RendezvousConfigError(f"--rdzv-conf {key}={path!r}: no such file")
+    if (values["client_cert"] is None) != (values["client_key"] is None):
+        raise RendezvousConfigError("--rdzv-conf client_cert and client_key go together; give both or neither")
+    if values["password_file"] is not None:
+        if values["password"] is not None:
+            raise RendezvousConfigError("--rdzv-conf: give password or password_file, not both")
+        with open(values["password_file"]) as fh:
+            values["password"] = fh.read().strip()
+    if values["password"] is None and values["username"] is not None:
+        values["password"] = os.environ.get("ELASTRUN_ETCD_PASSWORD")
+    if values["password"] is not None and values["username"] is None:
+        raise RendezvousConfigError("--rdzv-conf password needs username")
+    tls = any(values[k] is not None for k in ("ca_cert", "client_cert"))
+    protocol = values["protocol"] or ("https" if tls else "http")
+    if protocol not in ("http", "https"):
+        raise RendezvousConfigError(f"--rdzv-conf protocol={protocol!r}: use http or https")
+    values["protocol"] = protocol
+    values["lease_ttl_int"] = max(1, math.ceil(values["lease_ttl"]))
+    return values
+
+
+def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:
+    """``h1:2379,h2:2379`` (port optional, ``[v6]:port`` allowed) → [(host, port), ...]."""
+    from elastrun.rendezvous.c10d import split_endpoint
+
+    members = [part.strip() for part in endpoint.split(",") if part.strip()]
+    if not members:
+        raise RendezvousConfigError(
+            "the etcd backend needs --rdzv-endpoint HOST[:PORT][,HOST[:PORT]...] (the etcd members' client URLs)"
+        )
+    for member in members:
+        if "://" in member:
+            raise RendezvousConfigError(
+                f"--rdzv-endpoint {member!r}: give HOST:PORT without a scheme; use --rdzv-conf protocol=https for TLS"
+            )
+    return [split_endpoint(member, DEFAULT_PORT) for member in members]
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Factory for ``--rdzv-backend=etcd`` and ``etcd-v3``."""
+    from elastrun.rendezvous.etcd.handler import EtcdRendezvousHandler
+
+    return EtcdRendezvousHandler(params, parse_endpoints(params.endpoint), parse_config(params))
+
+
+__all__ = ["create_handler", "parse_config", "parse_endpoints", "CONFIG_DEFAULTS"]

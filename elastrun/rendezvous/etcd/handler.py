@@ -1,0 +1,663 @@
+"""The etcd rendezvous protocol: join keys bound to leases, a closer that decides in one transaction,
+watches that wake everyone, and a job incarnation that keeps a stale job from capturing a new one.
+
+Keys (``P`` = ``/elastrun/<run_id>/``, ``Q`` = ``P/e/<incarnation>/``)::
+
+    P/epoch                 {"id", "lease"}: the live incarnation and its job lease
+    P/agents/<node>         one per live agent (agent lease)
+    Q/current               the open round number
+    Q/r<R>/join/<node>      NodeInfo of a node that joined round R (agent lease); arrival order =
+                            create revision; for members it stays while they live: its deletion
+                            (lease expiry, leave) is how the others learn of a lost node
+    Q/r<R>/result           the closed round: members and ranks, generation, restarts, abort
+    Q/r<R>/store            ADDR:PORT of the workers' TCPStore, hosted by group rank 0
+    Q/r<R>/fail/<node>      FailureRecord of a node whose workers failed in round R
+    Q/r<R>/done/<node>      the node's workers finished (exit barrier)
+    Q/r<R>/left/<node>      the node left for good (reason)
+    Q/abort, Q/finished     the job ended
+
+Keys without an agent lease carry the job lease, which every agent renews: when all agents are
+gone the job's keys expire on their own (``job_ttl``); a clean exit removes them at once (the
+last agent out deletes ``P``).  A new agent that finds no live agent under ``P/agents/`` starts a
+fresh incarnation in a transaction, so a crashed job with the same id never captures a new one.
+
+The rules (when a round may close, who gets which rank, what is charged) are
+:mod:`elastrun.rendezvous.rounds`, shared with the c10d backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+from elastrun.config import EXIT_NO_REQUEUE
+from elastrun.rendezvous.api import (
+    FailureRecord,
+    JobFailedError,
+    JobFinishedError,
+    Member,
+    NodeInfo,
+    RendezvousConfigError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+    RoundChange,
+    RoundResult,
+)
+from elastrun.rendezvous.etcd.client import (
+    EtcdClient,
+    EtcdSettings,
+    EtcdUnavailable,
+    LeaseKeeper,
+    LeaseNotFound,
+    PrefixWatch,
+    Shared,
+    cmp_absent,
+    cmp_mod,
+    cmp_range_empty,
+    op_delete,
+    op_delete_prefix,
+    op_put,
+    prefix_end,
+)
+from elastrun.rendezvous.rounds import (
+    CloseInputs,
+    assign_ranks,
+    close_size,
+    format_failure,
+    is_charged,
+    is_crash_loop,
+    next_no_progress_streak,
+    root_cause,
+)
+
+#: A waiting node re-reads the state at least this often even without a watch event (safety net).
+_RECHECK = 2.0
+
+
+class _Reregister(Exception):
+    """This agent's lease expired (or the incarnation changed): register again and rejoin."""
+
+
+class EtcdRendezvousHandler(RendezvousHandler):
+    """Rendezvous rounds on etcd; see the module docstring for the keys."""
+
+    backend_name = "etcd"
+
+    def __init__(self, params: RendezvousParameters, endpoints: list[tuple[str, int]], conf: dict[str, Any]) -> None:
+        from elastrun.rendezvous.c10d import route_address
+
+        self.params = params
+        self.conf = conf
+        self.run_id = params.run_id
+        self.min_nodes, self.max_nodes = params.min_nodes, params.max_nodes
+        self.join_timeout = float(conf["join_timeout"])
+        self.settings = EtcdSettings(
+            endpoints=endpoints, protocol=conf["protocol"], ca_cert=conf["ca_cert"],
+            client_cert=conf["client_cert"], client_key=conf["client_key"], username=conf["username"],
+            password=conf["password"], request_timeout=float(conf["request_timeout"]),
+        )
+        self.endpoints_text = self.settings.describe()
+        self.local_addr = params.local_addr or route_address(*endpoints[0])
+        self._shared = Shared()
+        self._kv = EtcdClient(self.settings, self._shared)
+        self._p = f"/elastrun/{self.run_id}/"
+        self._q = ""
+        self._epoch: str | None = None
+        self._epoch_rev = 0
+        self._lease = 0
+        self._job_lease = 0
+        self._keeper: LeaseKeeper | None = None
+        self._watch: PrefixWatch | None = None
+        self._node: NodeInfo | None = None
+        self._round: int | None = None
+        self._result: RoundResult | None = None
+        self._members: set[str] = set()
+        self._poll_seq = 0
+        self._waiting: set[str] = set()
+        self._done: set[str] = set()
+        self._worker_store = None
+        self._warned_wait = False
+        self._closed = False
+        self._warn_lock = threading.Lock()
+        self._probe()
+
+    # ------------------------------------------------------------------ plumbing
+    def _warn(self, message: str) -> None:
+        node = self._node.node_id if self._node else f"{socket.gethostname()}-{os.getpid()}"
+        with self._warn_lock:
+            try:
+                sys.stderr.write(f"elastrun[{node}] {time.strftime('%H:%M:%S')} warning: {message}\n")
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+
+    def _probe(self) -> None:
+        """Reach etcd once at start so that wrong credentials or certificates fail at once.
+
+        An unreachable cluster is not an error yet: :meth:`next_round` keeps trying until the
+        join timeout.
+        """
+        try:
+            self._kv.range(self._p + "epoch", count_only=True)
+        except EtcdUnavailable:
+            pass
+
+    def _retry(self, op, deadline: float, what: str):
+        """Run ``op()`` until etcd answers or ``deadline``; then a connection error naming the endpoints."""
+        delay = 0.1
+        while True:
+            try:
+                result = op()
+                if self._warned_wait:
+                    self._warn(f"etcd answers again ({what})")
+                    self._warned_wait = False
+                return result
+            except EtcdUnavailable as exc:
+                if time.monotonic() + delay >= deadline:
+                    raise RendezvousConnectionError(
+                        f"could not reach etcd at {self.endpoints_text} to {what} within the time allowed "
+                        f"(join_timeout={self.join_timeout:g} s): {exc}. Is etcd running there and is "
+                        "--rdzv-endpoint right?"
+                    ) from None
+                if not self._warned_wait:
+                    self._warn(f"etcd unreachable at {self.endpoints_text} ({exc}); retrying with back-off")
+                    self._warned_wait = True
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
+            except (RendezvousConfigError, LeaseNotFound, _Reregister, JobFailedError, JobFinishedError):
+                raise
+            except RendezvousError as exc:
+                raise RendezvousConnectionError(f"etcd at {self.endpoints_text}: {exc}") from exc
+
+    def _r(self, round_: int, *parts: str) -> str:
+        return f"{self._q}r{round_}/" + "/".join(parts)
+
+    # ------------------------------------------------------------------ registration and incarnation
+    def _register(self, deadline: float) -> None:
+        """Hold a lease, find (or start) the job's incarnation, and put this agent's key in it."""
+        assert self._node is not None
+        if self._keeper is None:
+            self._keeper = LeaseKeeper(
+                EtcdClient(self.settings, self._shared), float(self.conf["keepalive_interval"]),
+                float(self.conf["job_ttl"]) / 10, self._warn,
+            )
+            self._keeper.start()
+        if self._keeper.lost or self._keeper.job_lost:
+            self._lease = 0
+        if not self._lease:
+            self._lease = self._retry(lambda: self._kv.grant(int(self.conf["lease_ttl_int"])), deadline,
+                                      "grant a lease")
+            self._keeper.set_leases(self._lease, self._job_lease)
+        while True:
+            if time.monotonic() >= deadline:
+                raise RendezvousTimeoutError(f"could not register with etcd at {self.endpoints_text} in time")
+            if self._retry(lambda: self._try_register(), deadline, "register this agent"):
+                break
+        self._keeper.set_leases(self._lease, self._job_lease)
+
+    def _try_register(self) -> bool:
+        assert self._node is not None
+        me = json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
+        agent_key = self._p + "agents/" + self._node.node_id
+        epoch = self._kv.get(self._p + "epoch")
+        live = self._kv.count(self._p + "agents/")
+        if epoch is not None:
+            doc = json.loads(epoch.value)
+            if live > 0 or doc["id"] == self._epoch:
+                ok = self._kv.txn([cmp_mod(self._p + "epoch", epoch.mod_revision)],
+                                  [op_put(agent_key, me, self._lease)])
+                if ok:
+                    self._adopt(doc["id"], int(doc["lease"]), epoch.mod_revision)
+                return ok
+        # No live agent: this is a new job; start a fresh incarnation (and drop a crashed one's keys).
+        job_lease = self._kv.grant(int(self.conf["job_ttl"]))
+        new_id = uuid.uuid4().hex[:12]
+        compare = [cmp_mod(self._p + "epoch", epoch.mod_revision if epoch else 0), cmp_range_empty(self._p + "agents/")]
+        doc = json.dumps({"id": new_id, "lease": job_lease})
+        ok = self._kv.txn(compare, [op_delete_prefix(self._p + "e/"), op_put(self._p + "epoch", doc, job_lease),
+                                    op_put(agent_key, me, self._lease)])
+        if not ok:
+            self._kv.revoke(job_lease)
+            return False
+        epoch = self._kv.get(self._p + "epoch")
+        self._adopt(new_id, job_lease, epoch.mod_revision if epoch else 0)
+        return True
+
+    def _adopt(self, epoch_id: str, job_lease: int, epoch_rev: int) -> None:
+        if epoch_id != self._epoch:
+            # A new incarnation: whatever this agent knew of an older one no longer applies.
+            self._round, self._result, self._members = None, None, set()
+            if self._watch is not None:
+                self._watch.stop()
+                self._watch = None
+        self._epoch, self._job_lease, self._epoch_rev = epoch_id, job_lease, epoch_rev
+        self._q = f"{self._p}e/{epoch_id}/"
+        if self._watch is None:
+            self._watch = PrefixWatch(EtcdClient(self.settings, self._shared), self._q, self._kv.revision + 1)
+            self._watch.start()
+            assert self._keeper is not None
+            self._keeper.on_failover = self._watch.reconnect
+
+    def _check_lease(self) -> None:
+        if self._keeper is not None and (self._keeper.lost or self._keeper.job_lost):
+            raise _Reregister()
+
+    # ------------------------------------------------------------------ the round
+    def next_round(self, node: NodeInfo) -> RoundResult:
+        started = time.monotonic()
+        deadline = started + self.join_timeout
+        self._node = node
+        if self._result is not None:
+            node.prev_group_rank = self._result.group_rank
+        while True:
+            try:
+                self._register(deadline)
+                result = self._join_rounds(node, deadline)
+                break
+            except (_Reregister, LeaseNotFound):
+                self._lease = 0 if self._keeper is None or self._keeper.lost else self._lease
+                if self._keeper is not None and self._keeper.job_lost:
+                    self._lease, self._epoch = 0, None
+                continue
+        result.duration = time.monotonic() - started
+        return result
+
+    def _join_rounds(self, node: NodeInfo, deadline: float) -> RoundResult:
+        assert self._watch is not None
+        self._check_job_ended(deadline)
+        old_round = self._round
+        current = self._retry(lambda: self._kv.get(self._q + "current"), deadline, "read the open round")
+        round_ = int(current.value) if current else 0
+        while True:
+            cursor = self._watch.seq
+            self._retry(lambda r=round_: self._kv.put(self._r(r, "join", node.node_id), node.to_json(), self._lease),
+                        deadline, "join a round")
+            doc = self._await_close(round_, cursor, deadline)
+            if any(m["node_id"] == node.node_id for m in doc["members"]):
+                result = self._round_result(round_, doc, cursor, deadline)
+                if result is not None:
+                    break
+            else:
+                self._retry(lambda r=round_: self._kv.delete(self._r(r, "join", node.node_id)), deadline, "move on")
+            round_ += 1
+        if old_round is not None and old_round != round_:
+            try:
+                self._kv.delete(self._r(old_round, "join", node.node_id))
+            except RendezvousError:
+                pass
+        return result
+
+    def _check_job_ended(self, deadline: float) -> None:
+        abort = self._retry(lambda: self._kv.get(self._q + "abort"), deadline, "read the job state")
+        if abort is not None:
+            raise JobFailedError("the job was ended by another node", abort.value.decode(), self._abort_code())
+        if self._retry(lambda: self._kv.get(self._q + "finished"), deadline, "read the job state") is not None:
+            raise JobFinishedError(f"job {self.run_id!r} has already finished")
+
+    def _abort_code(self) -> int:
+        try:
+            found = self._kv.get(self._q + "abort_code")
+        except RendezvousError:
+            return 1
+        return int(found.value) if found is not None else 1
+
+    def _timeout_error(self, round_: int, joined: int) -> RendezvousTimeoutError:
+        return RendezvousTimeoutError(
+            f"rendezvous of job {self.run_id!r} did not complete within {self.join_timeout:g} s (join_timeout): "
+            f"round {round_} waited for at least {self.min_nodes} node(s) (at most {self.max_nodes}) and "
+            f"{joined} joined; start the other agents or lower --nnodes"
+        )
+
+    def _await_close(self, round_: int, cursor: int, deadline: float) -> dict:
+        """Wait for round ``round_``'s result; the earliest live joiner closes it when the rules allow."""
+        assert self._watch is not None and self._node is not None
+        me = self._node.node_id
+        result_key, join_prefix = self._r(round_, "result"), self._r(round_, "join/")
+        prev_prefix = self._r(round_ - 1, "") if round_ > 0 else None
+        min_reached: float | None = None
+        joined = 0
+        look = True  # re-read the state now
+        closer = False
+        next_recheck = time.monotonic() + _RECHECK
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                raise self._timeout_error(round_, joined)
+            self._check_lease()
+            if look or now >= next_recheck:
+                next_recheck = now + _RECHECK
+                found = self._retry(lambda: self._kv.get(result_key), deadline, "read the round")
+                if found is not None:
+                    doc = json.loads(found.value)
+                    if doc.get("abort"):
+                        raise JobFailedError("the job was ended", doc["abort"], int(doc.get("abort_code", 1)))
+                    return doc
+                first, joined = self._retry(lambda: self._kv.range(join_prefix, prefix_end(join_prefix), keys_only=True,
+                                                                     by_create=True, limit=1), deadline, "read joins")
+                mine = self._retry(lambda: self._kv.range(join_prefix + me)[0], deadline, "read joins")
+                if not mine:
+                    raise _Reregister()  # our join key vanished (lease expired)
+                closer = bool(first) and first[0].key == join_prefix + me
+                if closer:
+                    if joined >= self.min_nodes and min_reached is None:
+                        min_reached = now
+                    if self._try_close(round_, min_reached, deadline):
+                        continue
+                look = False
+            wait = next_recheck - time.monotonic()
+            if closer and min_reached is not None:
+                wait = min(wait, max(0.01, min_reached + float(self.conf["last_call_timeout"]) - time.monotonic()))
+                look = wait <= 0.01 or look
+            self._watch.wait(cursor, max(0.0, min(wait, deadline - time.monotonic())))
+            events = self._watch.since(cursor)
+            cursor = self._watch.seq
+            if events is None:
+                look = True
+                continue
+            for ev in events:
+                if ev.key == result_key or ev.key == self._q + "abort":
+                    look = True
+                elif ev.key.startswith(join_prefix):
+                    look = look or closer or ev.kind == "DELETE"
+                elif closer and prev_prefix and ev.key.startswith(prev_prefix):
+                    look = True
+            if closer and min_reached is not None and \
+                    time.monotonic() >= min_reached + float(self.conf["last_call_timeout"]):
+                look = True
+
+    def _try_close(self, round_: int, min_reached: float | None, deadline: float) -> bool:
+        """As the closer: apply the rules to the joiners and publish the result if the round may close."""
+        join_prefix = self._r(round_, "join/")
+        joiners, _ = self._retry(lambda: self._kv.range(join_prefix, prefix_end(join_prefix), by_create=True),
+                                 deadline, "read joins")
+        prev_doc = None
+        prev_members: list[str] = []
+        accounted = 0
+        gone = 0
+        lost: list[str] = []
+        if round_ > 0:
+            found = self._retry(lambda: self._kv.get(self._r(round_ - 1, "result")), deadline, "read the round")
+            if found is not None:
+                prev_doc = json.loads(found.value)
+                prev_members = [m["node_id"] for m in prev_doc["members"]]
+        if prev_doc is not None:
+            old = self._r(round_ - 1, "")
+            kvs, _ = self._retry(lambda: self._kv.range(old, prefix_end(old), keys_only=True), deadline, "read")
+            still = {kv.key[len(old) + 5:] for kv in kvs if kv.key.startswith(old + "join/")}
+            done = {kv.key[len(old) + 5:] for kv in kvs if kv.key.startswith(old + "done/")}
+            ids = {kv.key[len(join_prefix):] for kv in joiners}
+            for m in prev_members:
+                if m not in still:
+                    gone += 1
+                    if m not in done:
+                        lost.append(m)
+                if m in ids or m not in still or m in done:
+                    accounted += 1
+        now = time.monotonic()
+        size = close_size(CloseInputs(
+            joined=len(joiners), min_nodes=self.min_nodes, max_nodes=self.max_nodes,
+            prev_members=len(prev_members) if prev_doc is not None else None, prev_accounted=accounted,
+            since_min=None if min_reached is None else now - min_reached,
+            last_call=float(self.conf["last_call_timeout"]),
+        ))
+        if size is None:
+            return False
+        members = assign_ranks([NodeInfo.from_json(kv.value) for kv in joiners[:size]])
+        generation, used, abort, abort_code, streak = 0, 0, None, 1, 0
+        if prev_doc is not None:
+            generation = int(prev_doc["generation"]) + 1
+            used = int(prev_doc.get("restarts_used", 0))
+            fail_prefix = self._r(round_ - 1, "fail/")
+            kvs, _ = self._retry(lambda: self._kv.range(fail_prefix, prefix_end(fail_prefix)), deadline, "read")
+            failures = [FailureRecord.from_json(kv.value) for kv in kvs]
+            charged = is_charged(len(failures), gone)
+            if charged:
+                used += 1
+            streak = next_no_progress_streak(int(prev_doc.get("no_progress_streak", 0)), failures, charged)
+            if is_crash_loop(streak, self.params.crash_loop_limit):
+                abort_code = EXIT_NO_REQUEUE
+                abort = (f"job {self.run_id!r} stopped: a crash loop ({streak} failed attempts in a row without "
+                         "progress; --crash-loop-limit). Retrying will not help: fix the cause below "
+                         f"(exit code {EXIT_NO_REQUEUE}: do not requeue)")
+            elif used > self.params.max_restarts:
+                abort = (f"job {self.run_id!r} failed: its restart budget (--max-restarts={self.params.max_restarts}) "
+                         f"is spent ({used} failure(s))")
+            cause = root_cause(failures)
+            if abort is not None and cause is not None:
+                abort += "\n" + format_failure(cause)
+        doc = json.dumps({
+            "members": [dataclasses.asdict(m) for m in members], "generation": generation,
+            "restarts_used": used, "max_restarts": self.params.max_restarts, "abort": abort,
+            "abort_code": abort_code, "no_progress_streak": streak, "lost": lost,
+            "closed_at": time.time(),
+        })
+        ops = [op_put(self._r(round_, "result"), doc, self._job_lease),
+               op_put(self._q + "current", str(round_ + 1), self._job_lease)]
+        if round_ >= 2:
+            ops.append(op_delete_prefix(self._r(round_ - 2, "")))
+        if abort is not None:
+            ops.append(op_put(self._q + "abort_code", str(abort_code), self._job_lease))
+            ops.append(op_put(self._q + "abort", abort, self._job_lease))
+        return self._retry(lambda: self._kv.txn([cmp_absent(self._r(round_, "result"))], ops), deadline, "close")
+
+    def _round_result(self, round_: int, doc: dict, cursor: int, deadline: float) -> RoundResult | None:
+        """This node is a member: host or find the workers' store; None if group rank 0 was lost first."""
+        assert self._node is not None and self._watch is not None
+        members = [Member(**m) for m in doc["members"]]
+        me = next(m for m in members if m.node_id == self._node.node_id)
+        store_key = self._r(round_, "store")
+        host = next(m for m in members if m.group_rank == 0)
+        self._worker_store = None
+        if me.group_rank == 0:
+            import torch.distributed as dist
+
+            self._worker_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+            address = f"{me.addr}:{self._worker_store.port}"
+            self._retry(lambda: self._kv.put(store_key, address, self._job_lease), deadline, "publish the store")
+        while True:
+            self._check_lease()
+            found = self._retry(lambda: self._kv.get(store_key), deadline, "read the store address")
+            if found is not None:
+                break
+            host_key = self._r(round_, "join", host.node_id)
+            if not self._retry(lambda k=host_key: self._kv.range(k)[0], deadline, "read the round"):
+                return None  # the store host died before publishing: go to the next round
+            if time.monotonic() >= deadline:
+                raise self._timeout_error(round_, len(members))
+            self._watch.wait(cursor, min(1.0, max(0.0, deadline - time.monotonic())))
+            cursor = self._watch.seq
+        store_addr, _, store_port = found.value.decode().rpartition(":")
+        role = [m for m in members if m.role == me.role]
+        result = RoundResult(
+            round=round_, generation=doc["generation"], group_rank=me.group_rank,
+            group_world_size=len(members), rank_offset=me.rank_offset, world_size=sum(m.nproc for m in members),
+            role_rank_offset=me.role_rank_offset, role_world_size=sum(m.nproc for m in role),
+            store_addr=store_addr, store_port=int(store_port), members=members,
+            restarts_used=min(int(doc["restarts_used"]), int(doc["max_restarts"])),
+            max_restarts=int(doc["max_restarts"]),
+            lost_nodes=list(doc.get("lost", [])),
+        )
+        self._round, self._result = round_, result
+        self._members = {m.node_id for m in members}
+        self._poll_seq = cursor
+        self._waiting, self._done = set(), set()
+        return result
+
+    # ------------------------------------------------------------------ while running
+    def poll(self) -> RoundChange:
+        change = RoundChange()
+        if self._round is None or self._result is None or self._watch is None or self._closed:
+            return change
+        keeper = self._keeper
+        if keeper is not None:
+            if keeper.lost or keeper.job_lost:
+                change.new_round_requested = True  # our membership expired (e.g. after a partition)
+                return change
+            if keeper.outage_since is not None and \
+                    time.monotonic() - keeper.outage_since > float(self.conf["outage_timeout"]):
+                raise RendezvousConnectionError(
+                    f"etcd at {self.endpoints_text} has been unreachable for more than "
+                    f"{float(self.conf['outage_timeout']):g} s (outage_timeout): {keeper.last_error}"
+                )
+        events = self._watch.since(self._poll_seq)
+        self._poll_seq = self._watch.seq
+        round_, me = self._round, self._node.node_id if self._node else ""
+        if events is None:
+            return self._resync()
+        lost: list[str] = []
+        join_now, join_next = self._r(round_, "join/"), self._r(round_ + 1, "join/")
+        done_prefix = self._r(round_, "done/")
+        for ev in events:
+            if ev.key == self._q + "abort" and ev.kind == "PUT":
+                change.aborted = ev.value.decode()
+                change.abort_exit_code = self._abort_code()
+            elif ev.key.startswith(done_prefix):
+                self._done.add(ev.key[len(done_prefix):])
+            elif ev.key.startswith(join_now) and ev.kind == "DELETE":
+                node = ev.key[len(join_now):]
+                if node == me:
+                    change.new_round_requested = True
+                elif node in self._members and node not in self._done and node not in lost:
+                    lost.append(node)
+            elif ev.key.startswith(join_next):
+                node = ev.key[len(join_next):]
+                if ev.kind == "DELETE":
+                    self._waiting.discard(node)
+                elif node in self._members:
+                    change.new_round_requested = True
+                else:
+                    self._waiting.add(node)
+        change.lost_nodes = lost
+        if self._waiting and self._result.group_world_size < self.max_nodes:
+            change.nodes_waiting = len(self._waiting)
+        return change
+
+    def _resync(self) -> RoundChange:
+        """Re-read the round's state after the watch missed events (compaction or a full buffer)."""
+        change = RoundChange()
+        assert self._round is not None and self._watch is not None
+        try:
+            abort = self._kv.get(self._q + "abort")
+            if abort is not None:
+                change.aborted = abort.value.decode()
+                change.abort_exit_code = self._abort_code()
+                return change
+            now_prefix, next_prefix = self._r(self._round, "join/"), self._r(self._round + 1, "join/")
+            alive = {kv.key[len(now_prefix):] for kv in self._kv.range(now_prefix, prefix_end(now_prefix),
+                                                                          keys_only=True)[0]}
+            joined = {kv.key[len(next_prefix):] for kv in self._kv.range(next_prefix, prefix_end(next_prefix),
+                                                                            keys_only=True)[0]}
+        except (EtcdUnavailable, LeaseNotFound):
+            return change
+        self._watch.gap = False
+        change.lost_nodes = sorted(self._members - alive - self._done)
+        change.new_round_requested = bool(joined & self._members)
+        self._waiting = joined - self._members
+        if self._waiting and self._result is not None and self._result.group_world_size < self.max_nodes:
+            change.nodes_waiting = len(self._waiting)
+        return change
+
+    def _write_soon(self, op, what: str, timeout: float = 5.0) -> None:
+        self._retry(op, time.monotonic() + timeout, what)
+
+    def report_failure(self, failure: FailureRecord) -> None:
+        if self._round is None:
+            return
+        key = self._r(self._round, "fail", failure.node_id)
+        self._write_soon(lambda: self._kv.put(key, failure.to_json(), self._job_lease), "record the failure")
+
+    def leave(self, reason: str) -> None:
+        if self._round is None or self._node is None:
+            return
+        node_id, round_ = self._node.node_id, self._round
+        self._write_soon(lambda: self._kv.txn([], [
+            op_put(self._r(round_, "left", node_id), reason, self._job_lease),
+            op_delete(self._r(round_, "join", node_id)),
+        ]), "leave the job")
+
+    def finish(self, timeout: float) -> bool:
+        if self._round is None or self._result is None or self._node is None or self._watch is None:
+            return True
+        round_, me = self._round, self._node.node_id
+        deadline = time.monotonic() + timeout
+        self._retry(lambda: self._kv.put(self._r(round_, "done", me), "1", self._job_lease), deadline, "finish")
+        base = self._r(round_, "")
+        while True:
+            cursor = self._watch.seq
+            kvs, _ = self._retry(lambda: self._kv.range(base, prefix_end(base), keys_only=True), deadline, "finish")
+            done = {kv.key[len(base) + 5:] for kv in kvs if kv.key.startswith(base + "done/")}
+            alive = {kv.key[len(base) + 5:] for kv in kvs if kv.key.startswith(base + "join/")}
+            if all(m in done or m not in alive for m in self._members):
+                self._retry(lambda: self._kv.put(self._q + "finished", "1", self._job_lease), deadline, "finish")
+                return True
+            if self._kv.get(self._r(round_ + 1, "result")) is not None or self._kv.get(self._q + "abort"):
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            self._watch.wait(cursor, min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def close(self) -> None:
+        """Stop the threads, drop this agent's lease (its keys go with it); the last agent out removes the job."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._keeper is not None:
+            self._keeper.stop()
+        if self._watch is not None:
+            self._watch.stop()
+        self._worker_store = None
+        if not self._lease:
+            return
+        try:
+            self._kv.revoke(self._lease)
+            self._lease = 0
+            if self._epoch is not None:
+                ok = self._kv.txn([cmp_range_empty(self._p + "agents/"), cmp_mod(self._p + "epoch", self._epoch_rev)],
+                                  [op_delete_prefix(self._p)])
+                if ok and self._job_lease:
+                    self._kv.revoke(self._job_lease)
+        except RendezvousError as exc:
+            self._warn(f"could not clean up the job's keys in etcd ({exc}); they expire within job_ttl")
+
+    # ------------------------------------------------------------------ introspection
+    def describe(self) -> dict:
+        deadline = time.monotonic() + float(self.conf["request_timeout"]) * 2
+        epoch = self._retry(lambda: self._kv.get(self._p + "epoch"), deadline, "describe the job")
+        doc: dict[str, Any] = {
+            "run_id": self.run_id, "backend": self.backend_name, "endpoint": self.endpoints_text,
+            "incarnation": None, "open_round": None, "round": None, "members": [], "waiting": 0,
+            "agents": self._kv.count(self._p + "agents/"), "max_restarts": self.params.max_restarts,
+            "restarts_used": 0, "finished": False, "aborted": None,
+        }
+        if epoch is None:
+            return doc
+        q = f"{self._p}e/{json.loads(epoch.value)['id']}/"
+        doc["incarnation"] = q.rstrip("/").rsplit("/", 1)[1]
+        current = self._kv.get(q + "current")
+        open_round = int(current.value) if current else 0
+        doc["open_round"] = open_round
+        doc["waiting"] = self._kv.count(f"{q}r{open_round}/join/")
+        doc["finished"] = self._kv.get(q + "finished") is not None
+        abort = self._kv.get(q + "abort")
+        doc["aborted"] = abort.value.decode() if abort else None
+        if open_round > 0:
+            found = self._kv.get(f"{q}r{open_round - 1}/result")
+            if found is not None:
+                result = json.loads(found.value)
+                doc.update(round=open_round - 1, generation=result["generation"],
+                           restarts_used=result["restarts_used"])
+                alive = {kv.key.rsplit("/", 1)[1] for kv in self._kv.range(
+                    f"{q}r{open_round - 1}/join/", prefix_end(f"{q}r{open_round - 1}/join/"), keys_only=True)[0]}
+                for m in result["members"]:
+                    doc["members"].append({**m, "state": "alive" if m["node_id"] in alive else "gone"})
+        return doc

@@ -1,0 +1,149 @@
+"""Real etcd servers for tests: start 1 or 3 members on free loopback ports with temporary data
+directories, kill and restart members, and remove everything afterwards (by PID, never by name).
+
+Used by tests/rendezvous/test_etcd*.py, tests/netns/ and bench/bench_rendezvous_etcd.py::
+
+    with EtcdCluster(3) as cluster:
+        cluster.endpoints           # "127.0.0.1:p1,127.0.0.1:p2,127.0.0.1:p3"
+        cluster.kill(0); cluster.restart(0)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ETCD_BINARY = shutil.which("etcd") or "/usr/bin/etcd"
+
+
+def etcd_available() -> bool:
+    return os.path.isfile(ETCD_BINARY) and os.access(ETCD_BINARY, os.X_OK)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class EtcdCluster:
+    """``size`` etcd members on ``host``; ``wrap`` prefixes each command (e.g. ``ip netns exec NS``)."""
+
+    def __init__(self, size: int = 1, host: str = "127.0.0.1", wrap: list[str] | None = None,
+                 ports: list[tuple[int, int]] | None = None) -> None:
+        self.size = size
+        self.host = host
+        self.wrap = list(wrap or [])
+        self.dir = Path(tempfile.mkdtemp(prefix="elastrun-etcd-"))
+        self.ports = ports or [(free_port(), free_port()) for _ in range(size)]
+        self.procs: list[subprocess.Popen | None] = [None] * size
+        self.names = [f"m{i}" for i in range(size)]
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(f"{self.host}:{client}" for client, _ in self.ports)
+
+    def endpoint(self, i: int) -> str:
+        return f"{self.host}:{self.ports[i][0]}"
+
+    def _command(self, i: int) -> list[str]:
+        client, peer = self.ports[i]
+        cluster = ",".join(f"{n}=http://{self.host}:{p}" for n, (_, p) in zip(self.names, self.ports, strict=True))
+        return [
+            *self.wrap, ETCD_BINARY, "--name", self.names[i], "--data-dir", str(self.dir / self.names[i]),
+            "--listen-client-urls", f"http://{self.host}:{client}",
+            "--advertise-client-urls", f"http://{self.host}:{client}",
+            "--listen-peer-urls", f"http://{self.host}:{peer}",
+            "--initial-advertise-peer-urls", f"http://{self.host}:{peer}",
+            "--initial-cluster", cluster, "--initial-cluster-state", "new",
+            "--initial-cluster-token", self.dir.name, "--log-level", "error", "--logger", "zap",
+        ]
+
+    def start(self) -> EtcdCluster:
+        for i in range(self.size):
+            self.restart(i, wait=False)
+        self.wait_healthy()
+        return self
+
+    def restart(self, i: int, wait: bool = True) -> None:
+        log = open(self.dir / f"{self.names[i]}.log", "ab")  # noqa: SIM115 - kept by the process
+        self.procs[i] = subprocess.Popen(self._command(i), stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        if wait:
+            self.wait_healthy([i])
+
+    def kill(self, i: int) -> None:
+        proc = self.procs[i]
+        if proc is not None and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        self.procs[i] = None
+
+    def healthy(self, i: int) -> bool:
+        if self.wrap:  # not reachable from here: ask from inside the namespace
+            url = f"http://{self.endpoint(i)}/health"
+            out = subprocess.run([*self.wrap, "curl", "-s", "-m", "1", url], capture_output=True, text=True)
+            return '"true"' in out.stdout
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint(i)}/health", timeout=1) as reply:
+                return json.loads(reply.read()).get("health") == "true"
+        except (OSError, ValueError):
+            return False
+
+    def wait_healthy(self, members: list[int] | None = None, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        for i in members if members is not None else range(self.size):
+            while not self.healthy(i):
+                proc = self.procs[i]
+                if proc is not None and proc.poll() is not None:
+                    raise RuntimeError(f"etcd member {i} exited: {self.log(i)[-2000:]}")
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"etcd member {i} not healthy after {timeout} s: {self.log(i)[-2000:]}")
+                time.sleep(0.1)
+
+    def log(self, i: int) -> str:
+        path = self.dir / f"{self.names[i]}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def list_keys(self, prefix: str = "/elastrun/") -> list[str]:
+        """Every key under ``prefix`` (through the first member that answers)."""
+        import base64
+
+        end = bytearray(prefix.encode())
+        end[-1] += 1
+        body = json.dumps({"key": base64.b64encode(prefix.encode()).decode(),
+                           "range_end": base64.b64encode(bytes(end)).decode(), "keys_only": True}).encode()
+        for i in range(self.size):
+            if self.procs[i] is None:
+                continue
+            try:
+                request = urllib.request.Request(f"http://{self.endpoint(i)}/v3/kv/range", data=body)
+                with urllib.request.urlopen(request, timeout=3) as reply:
+                    doc = json.loads(reply.read())
+                return [base64.b64decode(kv["key"]).decode() for kv in doc.get("kvs", [])]
+            except OSError:
+                continue
+        raise RuntimeError("no etcd member answered")
+
+    def stop(self) -> None:
+        for i in range(self.size):
+            self.kill(i)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdCluster:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

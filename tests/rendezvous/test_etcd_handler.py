@@ -1,0 +1,52 @@
+"""Handler-level tests of the etcd backend on a real etcd: incarnations and configuration errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastrun.rendezvous.api import NodeInfo, RendezvousConfigError, RendezvousParameters
+from elastrun.rendezvous.etcd import create_handler, parse_config
+from tests.rendezvous.etcd_cluster import EtcdCluster, etcd_available
+
+needs_etcd = pytest.mark.skipif(not etcd_available(), reason="no etcd binary (apt-get install etcd-server)")
+
+
+def _params(endpoints: str, run_id: str = "stale", **conf: str) -> RendezvousParameters:
+    return RendezvousParameters("etcd", endpoints, run_id, 1, 1, config=dict(conf))
+
+
+@needs_etcd
+def test_stale_job_with_same_id_does_not_capture_a_new_one():
+    with EtcdCluster(1) as cluster:
+        old = create_handler(_params(cluster.endpoints))
+        first = old.next_round(NodeInfo("old", "127.0.0.1", 1))
+        old_incarnation = old.describe()["incarnation"]
+        # The old agent crashes: its threads stop and its lease is gone; its job keys stay behind.
+        old._keeper.stop()
+        old._watch.stop()
+        old._kv.revoke(old._lease)
+        assert any("/result" in k for k in cluster.list_keys()), "the crashed job should have left its round"
+        new = create_handler(_params(cluster.endpoints))
+        try:
+            result = new.next_round(NodeInfo("new", "127.0.0.1", 1))
+            state = new.describe()
+            assert (first.round, result.round, result.generation) == (0, 0, 0)
+            assert state["incarnation"] != old_incarnation
+            assert not any(old_incarnation in k for k in cluster.list_keys()), "the stale incarnation's keys remain"
+        finally:
+            new.close()
+        assert cluster.list_keys() == []
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(RendezvousConfigError, match="unknown --rdzv-conf key 'bogus'"):
+        parse_config(_params("h:1", bogus="1"))
+    with pytest.raises(RendezvousConfigError, match="client_cert and client_key"):
+        parse_config(_params("h:1", client_cert=__file__))
+    with pytest.raises(RendezvousConfigError, match="no such file"):
+        parse_config(_params("h:1", ca_cert="/nonexistent/ca.pem"))
+    with pytest.raises(RendezvousConfigError, match="lease_ttl"):
+        parse_config(_params("h:1", lease_ttl="1", keepalive_interval="1"))
+    assert parse_config(_params("h:1", ca_cert=__file__))["protocol"] == "https"
+    with pytest.raises(RendezvousConfigError, match="without a scheme"):
+        create_handler(_params("http://h:2379"))
