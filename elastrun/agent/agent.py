@@ -161,6 +161,9 @@ class LocalAgent:
     def run(self) -> int:
         """Run until the job ends for this node; returns the exit code (0, 1, or 128+signal)."""
         previous = self._install_signal_handlers()
+        from elastrun.observe import start_observability
+
+        observability = start_observability(self.config, self.events)
         self.events.emit(
             "agent_start",
             run_id=self.config.run_id,
@@ -190,6 +193,7 @@ class LocalAgent:
             shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
             shutil.rmtree(self._tmp_dir, ignore_errors=True)
             self.events.emit("agent_exit", exitcode=code, reason=reason)
+            observability.close(self.events)
             self.events.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)  # type: ignore[arg-type]
@@ -381,7 +385,7 @@ class LocalAgent:
         if self._fault_at is not None:
             took = time.monotonic() - self._fault_at
             self.events.emit("recovered", round=result.round, reason=self._fault_reason, duration=round(took, 4))
-            self.console.info(f"recovered from {self._fault_reason} in {took:.2f} s (workers restarted)")
+            self.console.info(f"workers running again {took:.2f} s after {self._fault_reason}")
             self._fault_at = None
 
     def _monitor(self, result: RoundResult) -> GroupEnd:
@@ -412,8 +416,10 @@ class LocalAgent:
                 self._kill_workers()
                 failure = self._failure_record(result, failed)
                 how = f"killed by {failure.signal}" if failure.signal else f"exit code {failure.exitcode}"
+                last = [line.strip() for line in failure.message.splitlines() if line.strip()]
+                cause = f": {last[-1].split(']: ', 1)[-1][:200]}" if last else ""
                 self.console.error(
-                    f"rank {failure.rank} failed ({how}); stopping the local workers and starting a new round"
+                    f"rank {failure.rank} on {self.hostname} failed ({how}){cause}; starting a new round"
                 )
                 return GroupEnd(Outcome.FAILED, failure, f"the failure of rank {failure.rank}", detected)
             if len(statuses) == len(self.workers):

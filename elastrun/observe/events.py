@@ -21,20 +21,23 @@ Listener = Callable[[dict[str, Any]], None]
 
 #: The kinds of events an agent emits, and their main fields.
 EVENT_KINDS: dict[str, str] = {
-    "agent_start": "run_id, backend, min_nodes, max_nodes, nproc",
-    "round_start": "round (the round this node is joining)",
-    "round_closed": "round, generation, group_rank, world_size, members, duration",
-    "worker_start": "round, rank, local_rank, pid, start_method",
-    "worker_exit": "round, rank, local_rank, pid, exitcode, signal",
-    "worker_failure": "round, rank, local_rank, exitcode, signal, message",
+    "agent_start": "run_id, backend, min_nodes, max_nodes, nproc, pid, hostname",
+    "round_start": "after (the last round this node was in, or null)",
+    "round_closed": (
+        "round, generation, group_rank, group_world_size, world_size, members, duration, restarts_used, "
+        "max_restarts"
+    ),
+    "worker_start": "round, generation, rank, local_rank, pid, start_method",
+    "worker_exit": "round, generation, rank, local_rank, pid, exitcode, signal",
+    "worker_failure": "round, generation, rank, local_rank, exitcode, signal, message",
     "restart": "round, reason, restarts_used, max_restarts",
-    "node_lost": "round, lost (node ids), detection (s)",
+    "node_lost": "round (the first round without them), lost (node ids)",
     "nodes_waiting": "round, count",
     "scale_change": "old_world_size, new_world_size",
-    "hang_detected": "round, rank, local_rank, silent_for (s)",
+    "hang_detected": "round, rank, local_rank, reason",
     "recovered": "round, reason, duration (s from the fault to all workers started)",
-    "signal": "signal, action",
-    "job_failed": "reason",
+    "signal": "signal, action, grace",
+    "job_failed": "reason, exitcode",
     "agent_exit": "exitcode, reason",
 }
 

@@ -67,6 +67,10 @@ IGNORED_TORCHRUN_KEYS = {"close_timeout", "keep_alive_max_attempt", "use_libuv"}
 
 _CLOSER_POLL = 0.02
 _FOLLOWER_POLL = 1.0
+#: How long a closer waits for a joiner's info after the round closed before leaving it out.
+_SLOT_WAIT = 5.0
+#: How long members wait for group rank 0 to publish the workers' store before giving up on it.
+_STORE_WAIT = 15.0
 
 
 def split_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
@@ -357,11 +361,14 @@ class StoreRendezvousHandler(RendezvousHandler):
                 self._store.add(self._r(round_ - 1, "signal"), 1)
             size = self._await_close(round_, idx, deadline)
             if idx <= size:
-                break
+                result = self._await_result(round_, node, deadline)
+                if result is not None:
+                    result.duration = time.monotonic() - started
+                    return result
+                # The round formed without a usable store (its rank-0 node died): it counts as
+                # this node's last round, so the next one waits for every member of it.
+                member_of = round_
             round_ = max(round_ + 1, self._count(self._k("current")))
-        result = self._await_result(round_, node, deadline)
-        result.duration = time.monotonic() - started
-        return result
 
     def _check_job_ended(self) -> None:
         if self._exists(self._k("abort")):
@@ -448,7 +455,14 @@ class StoreRendezvousHandler(RendezvousHandler):
         return [FailureRecord.from_json(v) for v in values]
 
     def _publish_result(self, round_: int, size: int, has_prev: bool) -> None:
-        raw = self._store.multi_get([self._r(round_, "node", i) for i in range(1, size + 1)])
+        keys = [self._r(round_, "node", i) for i in range(1, size + 1)]
+        try:
+            # A joiner writes its info right after taking its slot; allow a moment for the last ones.
+            self._store.wait(keys, datetime.timedelta(seconds=_SLOT_WAIT))
+            raw = self._store.multi_get(keys)
+        except Exception:
+            # A joiner died between taking a slot and filling it: leave it out of the round.
+            raw = [self._get(k) for k in keys if self._exists(k)]
         members = assign_ranks([NodeInfo.from_json(v) for v in raw])
         used = self._count(self._k("restarts_used"))
         abort = None
@@ -498,7 +512,8 @@ class StoreRendezvousHandler(RendezvousHandler):
             self._store.set(self._k("abort_code"), str(abort_code))
             self._store.set(self._k("abort"), abort)
 
-    def _await_result(self, round_: int, node: NodeInfo, deadline: float) -> RoundResult:
+    def _await_result(self, round_: int, node: NodeInfo, deadline: float) -> RoundResult | None:
+        """This node's view of closed round ``round_``; None when it turned out unusable for it."""
         key = self._r(round_, "result")
         while not self._wait(key, min(1.0, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
@@ -507,7 +522,9 @@ class StoreRendezvousHandler(RendezvousHandler):
         if doc.get("abort"):
             raise JobFailedError("the job was ended", doc["abort"], int(doc.get("abort_code", 1)))
         members = [Member(**m) for m in doc["members"]]
-        me = next(m for m in members if m.node_id == node.node_id)
+        me = next((m for m in members if m.node_id == node.node_id), None)
+        if me is None:
+            return None
         store_key = self._r(round_, "store")
         self._worker_store = None
         if me.group_rank == 0:
@@ -517,9 +534,14 @@ class StoreRendezvousHandler(RendezvousHandler):
                 "0.0.0.0", 0, is_master=True, wait_for_workers=False, use_libuv=True
             )
             self._store.set(store_key, f"{me.addr}:{self._worker_store.port}")
+        store_deadline = time.monotonic() + _STORE_WAIT
         while not self._wait(store_key, min(1.0, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
                 raise self._timeout_error(round_)
+            if time.monotonic() >= store_deadline:
+                host = next(m for m in members if m.group_rank == 0)
+                self._declare_gone(round_, host.node_id, f"dead:{node.node_id}")
+                return None
         store_addr, _, store_port = self._get(store_key).decode().rpartition(":")
         ordered = sorted(members, key=lambda m: m.group_rank)
         role_members = [m for m in members if m.role == me.role]
@@ -649,38 +671,10 @@ class StoreRendezvousHandler(RendezvousHandler):
     # ------------------------------------------------------------------ introspection
     @_store_errors
     def describe(self) -> dict:
-        current = self._count(self._k("current"))
-        doc: dict[str, Any] = {
-            "run_id": self.run_id,
-            "backend": self.backend_name,
-            "endpoint": f"{self.store_host}:{self.store_port}",
-            "open_round": current,
-            "restarts_used": self._count(self._k("restarts_used")),
-            "max_restarts": self.params.max_restarts,
-            "finished": self._exists(self._k("finished")),
-            "aborted": self._get(self._k("abort")).decode() if self._exists(self._k("abort")) else None,
-            "round": None,
-            "members": [],
-            "waiting": self._count(self._r(current, "joined")),
-        }
-        for round_ in range(current - 1, -1, -1):
-            if self._exists(self._r(round_, "result")):
-                result = json.loads(self._get(self._r(round_, "result")))
-                if result.get("abort"):
-                    continue
-                doc["round"] = round_
-                doc["generation"] = result["generation"]
-                now = time.time()
-                for m in result["members"]:
-                    hb_key = self._k("hb", m["node_id"])
-                    age = None
-                    if self._exists(hb_key):
-                        age = now - float(self._get(hb_key).decode().split(":")[1])
-                    gone = self._exists(self._r(round_, "dead", m["node_id"]))
-                    state = "gone" if gone else ("alive" if age is not None and age < 10 else "silent")
-                    doc["members"].append({**m, "heartbeat_age": age, "state": state})
-                break
-        return doc
+        """The ``elastrun status --json`` document of this job (read-only; see docs/observe.md)."""
+        from elastrun.observe.store_status import read_store_status
+
+        return read_store_status(self._store, self.run_id, f"{self.store_host}:{self.store_port}", self.backend_name)
 
 
 def validate_params(params: RendezvousParameters) -> None:

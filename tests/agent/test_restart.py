@@ -21,7 +21,7 @@ def test_crash_restarts_and_resumes_from_checkpoint(agents, tmp_path):
     assert min(s.step for s in second) >= 9
     assert {s.step for s in second if s.rank == 0} >= set(range(10, 30))
     out = agent.output()
-    assert "rank 1 failed (exit code 1)" in out
+    assert "rank 1 on " in out and "failed (exit code 1): RuntimeError: injected failure at step 10" in out
     assert "restarts used 1/2" in out
 
 

@@ -1,0 +1,163 @@
+"""``elastrun status`` and ``elastrun timeline``: argument parsing and exit codes.
+
+``elastrun.cli`` hands over argv with the subcommand first.  Exit codes: 0 done, 1 the job or
+its logs could not be read (one line on stderr saying why), 2 bad command line.  Heavy imports
+(torch for the store client, matplotlib for the picture) happen only in the subcommand that
+needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+_ENV = {"backend": "PET_RDZV_BACKEND", "endpoint": "PET_RDZV_ENDPOINT", "id": "PET_RDZV_ID", "conf": "PET_RDZV_CONF"}
+
+
+def _status_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="elastrun status",
+        description="Show a live job: its round, nodes (address, state, ranks, heartbeat age) and restarts. "
+        "Reads the rendezvous as a pure client: it never joins or changes the job.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--rdzv-backend", "--rdzv_backend", dest="backend",
+                   default=os.environ.get(_ENV["backend"]) or "c10d",
+                   help="rendezvous backend of the job (default: c10d; env PET_RDZV_BACKEND)")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="endpoint",
+                   default=os.environ.get(_ENV["endpoint"]) or "127.0.0.1:29400",
+                   help="HOST[:PORT] the job's agents were given (default 127.0.0.1:29400; env PET_RDZV_ENDPOINT)")
+    p.add_argument("--rdzv-id", "--rdzv_id", dest="run_id", default=os.environ.get(_ENV["id"]) or None,
+                   help="the job's id (--rdzv-id of the launch; env PET_RDZV_ID)")
+    p.add_argument("--rdzv-conf", "--rdzv_conf", dest="conf", default=os.environ.get(_ENV["conf"]) or "",
+                   help="backend settings K=V,... (as for the launch; most backends need none here)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C (in place on a terminal)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the backend (default 3)")
+    return p
+
+
+def _timeline_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="elastrun timeline",
+        description="Draw a job's history from the events-*.jsonl files under LOG_DIR (the --log-dir of "
+        "its agents; copy every node's files into one directory for a multi-host job).",
+        allow_abbrev=False,
+    )
+    p.add_argument("log_dir", metavar="LOG_DIR", help="directory holding events-*.jsonl (searched recursively)")
+    p.add_argument("-o", "--output", default="timeline.png", help="PNG to write (default timeline.png)")
+    p.add_argument("--html", metavar="FILE", help="also write a self-contained interactive HTML page")
+    p.add_argument("--json", metavar="FILE", dest="json_out", help="also write the plotted data as JSON")
+    return p
+
+
+def _parse_conf(text: str) -> dict[str, str]:
+    conf = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--rdzv-conf item {item!r} is not KEY=VALUE")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def status_main(argv: list[str]) -> int:
+    """``elastrun status ...``; returns the exit code."""
+    args = _status_parser().parse_args(argv)
+    if not args.run_id:
+        print("elastrun status: error: --rdzv-id is required (the job's id, as given to its agents)",
+              file=sys.stderr)
+        return 2
+    if args.interval <= 0 or args.timeout <= 0:
+        print("elastrun status: error: --interval and --timeout must be positive", file=sys.stderr)
+        return 2
+    from elastrun.observe.status import StatusNotSupportedError, format_status, read_status, watch
+    from elastrun.rendezvous.api import RendezvousConfigError, RendezvousError, RendezvousParameters
+
+    try:
+        conf = _parse_conf(args.conf)
+    except ValueError as exc:
+        print(f"elastrun status: error: {exc}", file=sys.stderr)
+        return 2
+    params = RendezvousParameters(
+        backend=args.backend, endpoint=args.endpoint, run_id=args.run_id, min_nodes=1, max_nodes=1, config=conf
+    )
+
+    def read() -> dict:
+        return read_status(params, args.timeout)
+
+    try:
+        if args.watch and not args.json:
+            return watch(read, args.interval)
+        if args.watch:  # one JSON document per line, for a pipe
+            while True:
+                print(json.dumps(read(), sort_keys=True), flush=True)
+                time.sleep(args.interval)
+        doc = read()
+    except (RendezvousConfigError, StatusNotSupportedError) as exc:
+        print(f"elastrun status: error: {exc}", file=sys.stderr)
+        return 2
+    except RendezvousError as exc:
+        print(f"elastrun status: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:
+        from elastrun.observe.status import _silence_stdout
+
+        _silence_stdout()
+        return 0
+    print(json.dumps(doc, indent=2, sort_keys=True) if args.json else format_status(doc))
+    return 0
+
+
+def timeline_main(argv: list[str]) -> int:
+    """``elastrun timeline LOG_DIR -o PNG [--html FILE] [--json FILE]``; returns the exit code."""
+    args = _timeline_parser().parse_args(argv)
+    from elastrun.observe.timeline import load_timeline, render_png
+
+    try:
+        model = load_timeline(args.log_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"elastrun timeline: {exc}", file=sys.stderr)
+        return 1
+    try:
+        written = [render_png(model, args.output)]
+        if args.html:
+            from elastrun.observe.timeline_html import render_html
+
+            written.append(render_html(model, args.html))
+        if args.json_out:
+            from elastrun.observe.timeline_html import model_json
+
+            with open(args.json_out, "w", encoding="utf-8") as fh:
+                fh.write(model_json(model))
+            written.append(args.json_out)
+    except ImportError as exc:
+        print(f"elastrun timeline: needs matplotlib (pip install 'elastrun[plot]'): {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"elastrun timeline: cannot write the output: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {', '.join(str(p) for p in written)} ({len(model.lanes)} node(s), "
+          f"{len(model.attempts)} attempt(s), {len(model.rounds)} round(s))")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """Entry point used by ``elastrun.cli``: ``argv[0]`` is ``status`` or ``timeline``."""
+    if not argv or argv[0] not in ("status", "timeline"):
+        print("elastrun: error: expected 'status' or 'timeline'", file=sys.stderr)
+        return 2
+    try:
+        return status_main(argv[1:]) if argv[0] == "status" else timeline_main(argv[1:])
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2, message already printed)
+        return int(exc.code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

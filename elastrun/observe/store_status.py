@@ -1,0 +1,236 @@
+"""Read a c10d (or static) job's state from its TCPStore, as a pure client that changes nothing.
+
+``elastrun status`` must never disturb the job it looks at: it does not host the store, does
+not join a round and does not write a key.  It only uses the store's read operations
+(``check``, ``get``, ``multi_get`` on keys known to exist, so no read ever blocks waiting for a
+key), on the keys the c10d backend writes under ``/elastrun/<run_id>/`` (see
+elastrun/rendezvous/c10d.py and docs/rendezvous-protocol.md).
+
+:func:`read_store_status` works on any store object with those methods (a handler's own store
+as well as a fresh client); :func:`read_job_status` is the backend's status reader that
+:mod:`elastrun.observe.status` looks up by name.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from elastrun.rendezvous.api import RendezvousConnectionError, RendezvousError, RendezvousParameters
+from elastrun.rendezvous.c10d import split_endpoint
+
+#: A member whose heartbeat is older than this is shown as ``silent`` (the default heartbeat
+#: interval is 0.5 s; agents declare a node lost after ``heartbeat_timeout``, 2.5 s by default).
+SILENT_AFTER = 5.0
+#: How many closed rounds back the reader looks for the latest round with a published result.
+ROUNDS_BACK = 32
+
+DEFAULT_PORTS = {"c10d": 29400, "static": 29500}
+
+_clients: dict[tuple[str, int], Any] = {}
+_clients_lock = threading.Lock()
+
+
+class JobNotFoundError(RendezvousError):
+    """The store answers but holds no job under the given run id."""
+
+
+class _Reader:
+    """Read-only views of the job's keys (the key layout mirrors the c10d handler's)."""
+
+    def __init__(self, store: Any, run_id: str) -> None:
+        self.store = store
+        self.prefix = f"/elastrun/{run_id}/"
+
+    def key(self, *parts: object) -> str:
+        return self.prefix + "/".join(str(p) for p in parts)
+
+    def exists(self, key: str) -> bool:
+        return bool(self.store.check([key]))
+
+    def text(self, key: str) -> str | None:
+        if not self.exists(key):
+            return None
+        try:
+            return self.store.get(key).decode()
+        except Exception:  # deleted between check and get (a heartbeat key at agent exit)
+            return None
+
+    def number(self, key: str) -> int:
+        raw = self.text(key)
+        return int(raw) if raw not in (None, "") else 0
+
+    def texts(self, keys: list[str]) -> list[str | None]:
+        present = [k for k in keys if self.exists(k)]
+        values = dict(zip(present, (v.decode() for v in self.store.multi_get(present)), strict=True)) if present else {}
+        return [values.get(k) for k in keys]
+
+
+def read_store_status(store: Any, run_id: str, endpoint: str = "", backend: str = "c10d") -> dict[str, Any]:
+    """A JSON-able snapshot of job ``run_id`` from ``store``; :class:`JobNotFoundError` if it has none.
+
+    The document's fields are listed in docs/observe.md (``elastrun status --json``).
+    """
+    r = _Reader(store, run_id)
+    if not (r.exists(r.key("current")) or r.exists(r.key("agents"))):
+        raise JobNotFoundError(
+            f"no job {run_id!r} at {endpoint or 'the store'} (the store answers, but no agent of that "
+            "--rdzv-id has joined it); check --rdzv-id"
+        )
+    now = time.time()
+    open_round = r.number(r.key("current"))
+    finished = r.exists(r.key("finished"))
+    aborted = r.text(r.key("abort"))
+    doc: dict[str, Any] = {
+        "run_id": run_id,
+        "backend": backend,
+        "endpoint": endpoint,
+        "read_at": round(now, 3),
+        "state": "forming",
+        "round": None,
+        "generation": None,
+        "closed_at": None,
+        "open_round": open_round,
+        "agents": r.number(r.key("agents")),
+        "world_size": 0,
+        "restarts_used": r.number(r.key("restarts_used")),
+        "max_restarts": None,
+        "restarts_left": None,
+        "finished": finished,
+        "aborted": aborted,
+        "nodes": [],
+        "waiting": [],
+    }
+    closed = _latest_result(r, open_round)
+    if closed is not None:
+        round_, result = closed
+        doc.update(round=round_, generation=result.get("generation"), closed_at=result.get("closed_at"))
+        doc["max_restarts"] = result.get("max_restarts")
+        doc["restarts_used"] = max(doc["restarts_used"], int(result.get("restarts_used") or 0))
+        doc["nodes"] = _members(r, round_, result["members"], now, finished)
+        doc["world_size"] = sum(int(m.get("nproc", 0)) for m in result["members"])
+    if doc["max_restarts"] is not None:
+        doc["restarts_left"] = max(0, int(doc["max_restarts"]) - int(doc["restarts_used"]))
+    joined = r.number(r.key(f"r{open_round}", "joined"))
+    infos = r.texts([r.key(f"r{open_round}", "node", i) for i in range(1, joined + 1)])
+    for raw in infos:
+        if raw:
+            info = json.loads(raw)
+            doc["waiting"].append(
+                {k: info.get(k) for k in ("node_id", "hostname", "addr", "nproc", "role", "pid")}
+            )
+    if aborted:
+        doc["state"] = "failed"
+    elif finished:
+        doc["state"] = "finished"
+    elif closed is not None and not doc["waiting"] and all(n["state"] == "alive" for n in doc["nodes"]):
+        doc["state"] = "running"
+    elif closed is not None:
+        doc["state"] = "restarting" if doc["waiting"] else "degraded"
+    return doc
+
+
+def _latest_result(r: _Reader, open_round: int) -> tuple[int, dict[str, Any]] | None:
+    for round_ in range(open_round - 1, max(-1, open_round - 1 - ROUNDS_BACK), -1):
+        raw = r.text(r.key(f"r{round_}", "result"))
+        if raw is None:
+            continue
+        result = json.loads(raw)
+        if not result.get("abort"):
+            return round_, result
+    return None
+
+
+def _members(r: _Reader, round_: int, members: list[dict], now: float, finished: bool) -> list[dict]:
+    beats = r.texts([r.key("hb", m["node_id"]) for m in members])
+    marks = r.texts([r.key(f"r{round_}", "dead", m["node_id"]) for m in members])
+    nodes = []
+    for m, beat, mark in sorted(zip(members, beats, marks, strict=True), key=lambda t: t[0]["group_rank"]):
+        age = None
+        if beat and ":" in beat:
+            age = round(max(0.0, now - float(beat.split(":", 1)[1])), 3)
+        if mark and mark.startswith("left:"):
+            state = "left"
+        elif mark:
+            state = "lost"
+        elif finished:
+            state = "finished"
+        elif age is None:
+            state = "gone"
+        else:
+            state = "alive" if age < SILENT_AFTER else "silent"
+        first = int(m["rank_offset"])
+        nodes.append(
+            {
+                "node_id": m["node_id"],
+                "hostname": m.get("hostname", ""),
+                "addr": m.get("addr", ""),
+                "role": m.get("role", "default"),
+                "group_rank": m["group_rank"],
+                "nproc": m["nproc"],
+                "ranks": [first, first + int(m["nproc"]) - 1],
+                "state": state,
+                "heartbeat_age": age,
+                "lost_by": mark.split(":", 1)[1] if mark and ":" in mark else None,
+            }
+        )
+    return nodes
+
+
+def _probe(host: str, port: int, timeout: float) -> None:
+    """Fail fast (without importing torch) when nothing listens at the endpoint."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise RendezvousConnectionError(
+            f"cannot reach the rendezvous store at {host}:{port} ({exc.strerror or exc}); "
+            "is the job running and is --rdzv-endpoint right?"
+        ) from None
+
+
+def _client(host: str, port: int, timeout: float) -> Any:
+    with _clients_lock:
+        store = _clients.get((host, port))
+    if store is not None:
+        return store
+    _probe(host, port, min(timeout, 2.0))
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(
+            host, port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
+        )
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RendezvousConnectionError(
+            f"cannot read the rendezvous store at {host}:{port}: {first}"
+        ) from None
+    with _clients_lock:
+        _clients[(host, port)] = store
+    return store
+
+
+def read_job_status(params: RendezvousParameters, timeout: float = 3.0) -> dict[str, Any]:
+    """Status reader of the ``c10d`` and ``static`` backends (``elastrun status``).
+
+    Connects to ``params.endpoint`` as a store client (kept open for ``--watch``), reads, and
+    returns :func:`read_store_status`'s document.  Raises :class:`RendezvousConnectionError` when
+    the store cannot be reached and :class:`JobNotFoundError` when it holds no such job.
+    """
+    host, port = split_endpoint(params.endpoint or "127.0.0.1", DEFAULT_PORTS.get(params.backend, 29400))
+    store = _client(host, port, timeout)
+    try:
+        return read_store_status(store, params.run_id, f"{host}:{port}", params.backend)
+    except RendezvousError:
+        raise
+    except Exception as exc:
+        with _clients_lock:
+            _clients.pop((host, port), None)
+        raise RendezvousConnectionError(f"lost the rendezvous store at {host}:{port} ({exc})") from None
