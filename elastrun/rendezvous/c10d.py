@@ -24,7 +24,6 @@ import threading
 import time
 from typing import Any
 
-from elastrun.config import EXIT_NO_REQUEUE
 from elastrun.rendezvous.api import (
     FailureRecord,
     JobFailedError,
@@ -40,16 +39,7 @@ from elastrun.rendezvous.api import (
     RoundResult,
 )
 from elastrun.rendezvous.keepalive import Heartbeat, RingWatch
-from elastrun.rendezvous.rounds import (
-    CloseInputs,
-    assign_ranks,
-    close_size,
-    format_failure,
-    is_charged,
-    is_crash_loop,
-    next_no_progress_streak,
-    root_cause,
-)
+from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, judge_round_end
 
 #: ``--rdzv-conf`` keys of the store backends, with defaults (seconds unless noted).
 CONFIG_DEFAULTS: dict[str, Any] = {
@@ -474,28 +464,14 @@ class StoreRendezvousHandler(RendezvousHandler):
             if gone:
                 listing = self._get(self._r(round_ - 1, "gone_list")).decode()
                 lost = [n for n in listing.split("\n") if n]
-            charged = is_charged(len(failures), gone)
-            if charged:
-                used = int(self._store.add(self._k("restarts_used"), 1))
             streak_key = self._k("no_progress_streak")
             streak = int(self._get(streak_key)) if self._exists(streak_key) else 0
-            streak = next_no_progress_streak(streak, failures, charged)
-            self._store.set(streak_key, str(streak))
-            cause = root_cause(failures)
-            if is_crash_loop(streak, self.params.crash_loop_limit):
-                abort_code = EXIT_NO_REQUEUE
-                abort = (
-                    f"job {self.run_id!r} stopped: a crash loop ({streak} failed attempts in a row without "
-                    "progress; --crash-loop-limit). Retrying will not help: fix the cause below "
-                    f"(exit code {EXIT_NO_REQUEUE}: do not requeue)"
-                )
-            elif used > self.params.max_restarts:
-                abort = (
-                    f"job {self.run_id!r} failed: its restart budget (--max-restarts={self.params.max_restarts}) "
-                    f"is spent ({used} failure(s))"
-                )
-            if abort is not None and cause is not None:
-                abort += "\n" + format_failure(cause)
+            verdict = judge_round_end(self.run_id, failures, gone, used, streak, self.params.max_restarts,
+                                      self.params.crash_loop_limit)
+            if verdict.restarts_used > used:
+                used = int(self._store.add(self._k("restarts_used"), verdict.restarts_used - used))
+            self._store.set(streak_key, str(verdict.no_progress_streak))
+            abort, abort_code = verdict.abort, verdict.abort_code
         generation = int(self._store.add(self._k("generation"), 1)) - 1
         doc = {
             "members": [dataclasses.asdict(m) for m in members],

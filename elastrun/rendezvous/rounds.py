@@ -118,6 +118,55 @@ def is_crash_loop(streak: int, limit: int) -> bool:
     return limit > 0 and streak >= limit
 
 
+@dataclass
+class Verdict:
+    """What the closer of round R+1 decides about round R's end."""
+
+    restarts_used: int
+    no_progress_streak: int
+    #: The text every agent prints when the job is ended, or None to carry on.
+    abort: str | None = None
+    #: Exit code for an abort: 1, or ``EXIT_NO_REQUEUE`` for a crash loop.
+    abort_code: int = 1
+
+
+def judge_round_end(
+    run_id: str,
+    failures: list[FailureRecord],
+    nodes_gone: int,
+    restarts_used: int,
+    streak: int,
+    max_restarts: int,
+    crash_loop_limit: int,
+) -> Verdict:
+    """Charge the budget for the round that ended and decide whether the job goes on.
+
+    ``restarts_used`` and ``streak`` are the job's values before this round.  A crash loop is
+    reported before a spent budget: it is the more precise diagnosis (and means: do not requeue).
+    """
+    from elastrun.config import EXIT_NO_REQUEUE
+
+    charged = is_charged(len(failures), nodes_gone)
+    used = restarts_used + (1 if charged else 0)
+    streak = next_no_progress_streak(streak, failures, charged)
+    verdict = Verdict(restarts_used=used, no_progress_streak=streak)
+    if is_crash_loop(streak, crash_loop_limit):
+        verdict.abort_code = EXIT_NO_REQUEUE
+        verdict.abort = (
+            f"job {run_id!r} stopped: a crash loop ({streak} failed attempts in a row without progress; "
+            f"--crash-loop-limit). Retrying will not help: fix the cause below "
+            f"(exit code {EXIT_NO_REQUEUE}: do not requeue)"
+        )
+    elif used > max_restarts:
+        verdict.abort = (
+            f"job {run_id!r} failed: its restart budget (--max-restarts={max_restarts}) is spent ({used} failure(s))"
+        )
+    cause = root_cause(failures)
+    if verdict.abort is not None and cause is not None:
+        verdict.abort += "\n" + format_failure(cause)
+    return verdict
+
+
 def root_cause(failures: list[FailureRecord]) -> FailureRecord | None:
     """The failure to blame: the earliest one (consequential failures of peers come later)."""
     if not failures:

@@ -77,3 +77,31 @@ def test_root_cause_is_the_earliest_failure():
     text = format_failure(cause)
     assert "rank 0" in text and "killed by SIGSEGV" in text and "boom" in text
     assert root_cause([]) is None
+
+
+def _failure(progress: bool, t: float = 1.0) -> FailureRecord:
+    return FailureRecord("n", "h", 1, 1, 1, None, t, "boom", progress=progress)
+
+
+def test_verdict_charges_once_and_aborts_when_the_budget_is_spent():
+    from elastrun.rendezvous.rounds import judge_round_end
+
+    ok = judge_round_end("job", [_failure(True), _failure(True, 2.0)], 0, 0, 0, max_restarts=1, crash_loop_limit=3)
+    assert (ok.restarts_used, ok.abort) == (1, None)
+    spent = judge_round_end("job", [_failure(True)], 0, 1, 0, max_restarts=1, crash_loop_limit=3)
+    assert spent.restarts_used == 2 and spent.abort_code == 1
+    assert "restart budget (--max-restarts=1) is spent" in spent.abort and "root cause: rank 1" in spent.abort
+    lost = judge_round_end("job", [_failure(True)], 1, 1, 0, max_restarts=1, crash_loop_limit=3)
+    assert (lost.restarts_used, lost.abort) == (1, None)
+
+
+def test_verdict_stops_a_crash_loop_before_the_budget():
+    from elastrun.config import EXIT_NO_REQUEUE
+    from elastrun.rendezvous.rounds import judge_round_end
+
+    first = judge_round_end("job", [_failure(False)], 0, 0, 0, max_restarts=10, crash_loop_limit=2)
+    assert first.no_progress_streak == 1 and first.abort is None
+    second = judge_round_end("job", [_failure(False)], 0, 1, 1, max_restarts=10, crash_loop_limit=2)
+    assert second.abort_code == EXIT_NO_REQUEUE and "crash loop" in second.abort
+    progress = judge_round_end("job", [_failure(True)], 0, 1, 1, max_restarts=10, crash_loop_limit=2)
+    assert progress.no_progress_streak == 0 and progress.abort is None

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from elastrun.rendezvous.api import RendezvousConfigError, RendezvousHandler, RendezvousParameters
+from elastrun.rendezvous.etcd.status import read_job_status  # ``elastrun status`` (pure client)
 
 #: ``--rdzv-conf`` keys of the etcd backend, with defaults (seconds unless noted).
 CONFIG_DEFAULTS: dict[str, Any] = {
@@ -121,4 +122,4 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     return EtcdRendezvousHandler(params, parse_endpoints(params.endpoint), parse_config(params))
 
 
-__all__ = ["create_handler", "parse_config", "parse_endpoints", "CONFIG_DEFAULTS"]
+__all__ = ["create_handler", "parse_config", "parse_endpoints", "read_job_status", "CONFIG_DEFAULTS"]

@@ -37,7 +37,6 @@ import time
 import uuid
 from typing import Any
 
-from elastrun.config import EXIT_NO_REQUEUE
 from elastrun.rendezvous.api import (
     FailureRecord,
     JobFailedError,
@@ -69,16 +68,7 @@ from elastrun.rendezvous.etcd.client import (
     op_put,
     prefix_end,
 )
-from elastrun.rendezvous.rounds import (
-    CloseInputs,
-    assign_ranks,
-    close_size,
-    format_failure,
-    is_charged,
-    is_crash_loop,
-    next_no_progress_streak,
-    root_cause,
-)
+from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, judge_round_end
 
 #: A waiting node re-reads the state at least this often even without a watch event (safety net).
 _RECHECK = 2.0
@@ -420,21 +410,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
             fail_prefix = self._r(round_ - 1, "fail/")
             kvs, _ = self._retry(lambda: self._kv.range(fail_prefix, prefix_end(fail_prefix)), deadline, "read")
             failures = [FailureRecord.from_json(kv.value) for kv in kvs]
-            charged = is_charged(len(failures), gone)
-            if charged:
-                used += 1
-            streak = next_no_progress_streak(int(prev_doc.get("no_progress_streak", 0)), failures, charged)
-            if is_crash_loop(streak, self.params.crash_loop_limit):
-                abort_code = EXIT_NO_REQUEUE
-                abort = (f"job {self.run_id!r} stopped: a crash loop ({streak} failed attempts in a row without "
-                         "progress; --crash-loop-limit). Retrying will not help: fix the cause below "
-                         f"(exit code {EXIT_NO_REQUEUE}: do not requeue)")
-            elif used > self.params.max_restarts:
-                abort = (f"job {self.run_id!r} failed: its restart budget (--max-restarts={self.params.max_restarts}) "
-                         f"is spent ({used} failure(s))")
-            cause = root_cause(failures)
-            if abort is not None and cause is not None:
-                abort += "\n" + format_failure(cause)
+            verdict = judge_round_end(self.run_id, failures, gone, used, int(prev_doc.get("no_progress_streak", 0)),
+                                      self.params.max_restarts, self.params.crash_loop_limit)
+            used, streak = verdict.restarts_used, verdict.no_progress_streak
+            abort, abort_code = verdict.abort, verdict.abort_code
         doc = json.dumps({
             "members": [dataclasses.asdict(m) for m in members], "generation": generation,
             "restarts_used": used, "max_restarts": self.params.max_restarts, "abort": abort,
