@@ -13,7 +13,8 @@ fi
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import elastrun, torch, pytest" 2>/dev/null || [ "${FORCE_INSTALL:-0}" = 1 ]; then
+if [ ! -x .venv/bin/elastrun ] || ! .venv/bin/python -c "import torch, pytest, etcd3gw" 2>/dev/null \
+        || [ "${FORCE_INSTALL:-0}" = 1 ]; then
     .venv/bin/pip install -q --upgrade pip
     .venv/bin/pip install -q "torch==2.13.0" -e ".[dev]"
 fi

@@ -91,6 +91,22 @@ class GroupEnd:
     exit_code: int = 1
 
 
+def sweep_stale_runtime_dirs(base: Path) -> None:
+    """Remove ``elastrun-*`` runtime directories whose owning agent is no longer running."""
+    for path in base.glob("elastrun-*"):
+        owner = path / "owner.pid"
+        try:
+            pid = int(owner.read_text())
+        except (OSError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            pass
+
+
 def make_node_id() -> str:
     """A readable id, unique per agent process: ``host-pid-xxxx``."""
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
@@ -125,8 +141,11 @@ class LocalAgent:
         self.log_dir = Path(config.log_dir) if config.log_dir else None
         self._tmp_dir = Path(tempfile.mkdtemp(prefix="elastrun-agent-"))
         self.error_dir = self.log_dir if self.log_dir is not None else self._tmp_dir
-        self.snapshot_dir = self._make_snapshot_dir()
-        self.heartbeat_dir = Path(tempfile.mkdtemp(prefix="elastrun-hb-", dir=self.snapshot_dir.parent))
+        self.runtime_dir = self._make_runtime_dir()
+        self.snapshot_dir = self.runtime_dir / "snapshot"
+        self.heartbeat_dir = self.runtime_dir / "heartbeat"
+        self.snapshot_dir.mkdir()
+        self.heartbeat_dir.mkdir()
         self.trackers: dict[int, HangTracker] = {}
         events_path = self.log_dir / f"events-{self.node_id}.jsonl" if self.log_dir else None
         self.events = EventLog(self.node_id, events_path, sys.stdout if config.event_log_stdout else None)
@@ -139,10 +158,19 @@ class LocalAgent:
         self._prev_world: int | None = None
 
     # ------------------------------------------------------------------ set-up and tear-down
-    def _make_snapshot_dir(self) -> Path:
-        base = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else self._tmp_dir
-        path = base / f"elastrun-{self.config.run_id}-{self.node_id}"
+    def _make_runtime_dir(self) -> Path:
+        """This agent's node-local memory (``/dev/shm``): workers' snapshots and heartbeats.
+
+        It outlives worker restarts and is removed when the agent exits.  An agent that was
+        SIGKILLed cannot remove its own, so each agent first sweeps the directories of agents
+        that are no longer running (their ``owner.pid`` names a dead process).
+        """
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else self._tmp_dir
+        sweep_stale_runtime_dirs(base)
+        path = base / f"elastrun-{self.node_id}"
         path.mkdir(parents=True, exist_ok=True)
+        (path / "owner.pid").write_text(str(os.getpid()))
         return path
 
     def _install_signal_handlers(self) -> dict[int, object]:
@@ -189,8 +217,7 @@ class LocalAgent:
             except Exception as exc:
                 self.console.debug(f"rendezvous close failed: {exc}")
             self.starter.close()
-            shutil.rmtree(self.snapshot_dir, ignore_errors=True)
-            shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
             shutil.rmtree(self._tmp_dir, ignore_errors=True)
             self.events.emit("agent_exit", exitcode=code, reason=reason)
             observability.close(self.events)

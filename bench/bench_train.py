@@ -1,0 +1,181 @@
+"""Benchmark of elastrun.train on CPU: commit() cost per step and restore time.
+
+Measures, for MLPs of about 10M and 100M parameters trained with SGD + momentum:
+
+* the step time without elastrun.train, the step time with ``state.commit()`` after every step
+  (memory snapshot every step), and the time ``commit()`` itself blocks the training thread;
+* for the 100M model, ``state.restore()`` from the node's memory, from a peer (two processes,
+  one of them with an empty snapshot directory, over gloo) and from disk.
+
+Usage: ``python bench/bench_train.py [--sizes 10,100] [--steps 6]``.  Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import elastrun.train as et  # noqa: E402
+
+
+def make_model(million: int) -> torch.nn.Module:
+    """An MLP with about ``million`` × 10^6 parameters (square layers)."""
+    width = {10: 1024, 100: 4096}.get(million) or int((million * 1e6 / 6) ** 0.5)
+    layers = max(2, round(million * 1e6 / (width * width)))
+    mods: list[torch.nn.Module] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*mods[:-1])
+
+
+def width_of(model: torch.nn.Module) -> int:
+    return model[0].in_features
+
+
+def step(model, opt, x) -> None:
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def bench_commit(million: int, steps: int, work: Path) -> dict:
+    model = make_model(million)
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
+    x = torch.randn(64, width_of(model))
+    for _ in range(2):
+        step(model, opt, x)
+    base = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step(model, opt, x)
+        base.append(time.perf_counter() - t)
+    state = et.State(
+        model=model, optimizer=opt, checkpoint_dir=work / f"ck{million}", snapshot_dir=work / f"shm{million}",
+        handle_signals=False,
+    )  # fmt: skip
+    for _ in range(5):  # first copies allocate the slots' pages
+        step(model, opt, x)
+        state.commit()
+    with_commit, commit_only = [], []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step(model, opt, x)
+        c = time.perf_counter()
+        state.commit()
+        e = time.perf_counter()
+        with_commit.append(e - t)
+        commit_only.append(e - c)
+    state.flush()
+    t = time.perf_counter()
+    state.checkpoint()
+    ckpt_s = time.perf_counter() - t
+    state.close()
+    b, w = statistics.median(base), statistics.median(with_commit)
+    return {
+        "params": params,
+        "state_mb": (params * 2 * 4) / 2**20,
+        "step": b,
+        "step_commit": w,
+        "commit_call": statistics.median(commit_only),
+        "overhead": (w - b) / b,
+        "checkpoint": ckpt_s,
+    }
+
+
+def restore_once(million: int, snapshot_dir: Path, ckpt: Path) -> tuple[str | None, float]:
+    model = make_model(million)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
+    state = et.State(model=model, optimizer=opt, checkpoint_dir=ckpt, snapshot_dir=snapshot_dir, handle_signals=False)
+    t = time.perf_counter()
+    source = state.restore()
+    elapsed = time.perf_counter() - t
+    state.close()
+    return source, elapsed
+
+
+def peer_worker(million: int, snapshot_dir: str, ckpt: str) -> None:
+    et.init_distributed()
+    source, elapsed = restore_once(million, Path(snapshot_dir), Path(ckpt))
+    if torch.distributed.get_rank() == 1:
+        print(f"{source} {elapsed}", flush=True)
+
+
+def bench_peer(million: int, work: Path) -> tuple[str, float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    empty = work / "shm-empty"
+    empty.mkdir(exist_ok=True)
+    procs = []
+    for rank, snap in ((0, work / f"shm{million}"), (1, empty)):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")  # fmt: skip
+        cmd = [sys.executable, __file__, "--peer-worker", str(million), str(snap), str(work / "no-ckpt")]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    source, elapsed = outs[1].split()
+    return source, float(elapsed)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sizes", default="10,100", help="model sizes in millions of parameters")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--peer-worker", nargs=3, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.peer_worker:
+        peer_worker(int(a.peer_worker[0]), a.peer_worker[1], a.peer_worker[2])
+        return
+    work = Path(tempfile.mkdtemp(prefix="elastrun-bench-train-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    disk = Path(tempfile.mkdtemp(prefix="elastrun-bench-ckpt-"))
+    try:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
+        print("| model | state (params+momentum) | step | step + commit | commit() call | overhead | checkpoint |")
+        print("|---|---|---|---|---|---|---|")
+        sizes = [int(s) for s in a.sizes.split(",")]
+        for m in sizes:
+            r = bench_commit(m, a.steps, work)
+            shutil.move(str(work / f"ck{m}"), str(disk / f"ck{m}"))
+            print(
+                f"| {r['params'] / 1e6:.1f}M | {r['state_mb']:.0f} MiB | {r['step'] * 1e3:.0f} ms | "
+                f"{r['step_commit'] * 1e3:.0f} ms | {r['commit_call'] * 1e3:.1f} ms | {r['overhead'] * 100:+.1f} % | "
+                f"{r['checkpoint']:.2f} s |",
+                flush=True,
+            )
+        m = max(sizes)
+        print(f"\nrestore of the {m}M model:\n| source | time |\n|---|---|")
+        src, t = restore_once(m, work / f"shm{m}", disk / f"ck{m}")
+        print(f"| {src} | {t:.2f} s |", flush=True)
+        src, t = bench_peer(m, work)
+        print(f"| {src} (gloo, 2 processes) | {t:.2f} s |", flush=True)
+        src, t = restore_once(m, work / "shm-cold", disk / f"ck{m}")
+        print(f"| {src} | {t:.2f} s |", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Process-group set-up from the launcher's environment, and the few collectives State needs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: global rank, world size, local rank, and its compute device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> DistInfo:
+    """Create the default process group from the launcher's environment (idempotent).
+
+    ``backend`` defaults to ``nccl`` when CUDA is available and ``LOCAL_RANK`` names one of the
+    GPUs (that GPU becomes the current device), else ``gloo``.  Without a launcher (no
+    ``WORLD_SIZE`` in the environment) a one-process group is created on an in-memory store, so
+    the same script also runs as plain ``python train.py``.
+    """
+    local_rank = _env_int("LOCAL_RANK", 0)
+    use_cuda = torch.cuda.is_available() and local_rank < torch.cuda.device_count()
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if dist.is_initialized():
+        return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    if use_cuda:
+        torch.cuda.set_device(device)
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    timeout = timedelta(seconds=timeout_s)
+    if "WORLD_SIZE" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+            if name not in os.environ:
+                raise RuntimeError(
+                    f"WORLD_SIZE is set but {name} is not: start this script with elastrun (or another "
+                    "launcher that sets RANK, MASTER_ADDR and MASTER_PORT)"
+                )
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def active() -> bool:
+    """True when a process group with more than one rank exists."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def comm_device() -> torch.device:
+    """Where tensors for collectives must live (the current GPU under NCCL)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (just ``[obj]`` without a multi-rank group)."""
+    if not active():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_obj(obj: Any, src: int) -> Any:
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def broadcast_bytes(buffer: torch.Tensor, src: int, chunk: int = 64 << 20) -> None:
+    """Broadcast a ``uint8`` CPU tensor in place, in chunks (bounded extra memory under NCCL)."""
+    if not active():
+        return
+    dev = comm_device()
+    for i in range(0, buffer.numel(), chunk):
+        part = buffer[i : i + chunk]
+        if dev.type == "cpu":
+            dist.broadcast(part, src=src)
+        else:
+            staged = part.to(dev)
+            dist.broadcast(staged, src=src)
+            part.copy_(staged.cpu())
+
+
+def any_flag(flag: bool, scratch: list[torch.Tensor]) -> bool:
+    """True on every rank when ``flag`` is true on any rank (one tiny all-reduce)."""
+    if not active():
+        return flag
+    if not scratch:
+        scratch.append(torch.zeros(1, dtype=torch.int32, device=comm_device()))
+    t = scratch[0]
+    t.fill_(1 if flag else 0)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

@@ -1,0 +1,98 @@
+"""Choosing what to restore: a pure function of what every rank reports, so all ranks agree.
+
+Each rank reports what it can read: complete memory snapshots on its node, RNG states on its node,
+and complete-looking disk checkpoints.  After one ``all_gather`` every rank runs :func:`make_plan`
+on the same list and gets the same answer, with no extra round of messages.
+
+Rules, in order:
+
+1. The step is the newest one whose replicated state is readable somewhere (any node's memory or
+   the checkpoint directory).
+2. If some rank's RNG state for that step is missing but the step before is complete with every
+   rank's RNG, the step before is used.  Under DDP a rank that died between the gradient
+   all-reduce and its ``commit()`` lags the others by exactly one step; going back that one step
+   keeps a crashed run bit-for-bit equal to an uninterrupted one.  Otherwise (a node was lost with
+   its memory, or the world grew) the missing RNG states are derived from ``(step, rank)``.
+3. The source is ``memory`` when every rank's node holds that step, ``peer`` when only some do
+   (the lowest such rank broadcasts it), else ``disk`` (the lowest rank that sees the checkpoint
+   reads and verifies it, then broadcasts it, so a checkpoint is read once, not once per rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Report:
+    """What one rank can read at restore time."""
+
+    rank: int
+    mem: dict[int, int] = field(default_factory=dict)  # step -> world size of a complete snapshot
+    mem_rng: dict[int, list[int]] = field(default_factory=dict)  # rank -> steps on this node
+    disk: dict[int, int] = field(default_factory=dict)  # step -> world size
+    disk_rng: dict[int, list[int]] = field(default_factory=dict)  # step -> ranks with an RNG file
+
+
+@dataclass
+class Plan:
+    """The agreed restore: step, source, which rank sends the state, who supplies each RNG state."""
+
+    step: int
+    source: str  # "memory" | "peer" | "disk"
+    src_rank: int | None
+    saved_world_size: int
+    rng_holders: dict[int, int]  # rank -> rank that supplies its RNG state (absent: derive)
+
+
+def _holders(reports: list[Report], step: int, excluded: set[tuple]) -> tuple[list[int], list[int]]:
+    mem = [r.rank for r in reports if step in r.mem and ("mem", r.rank, step) not in excluded]
+    disk = [r.rank for r in reports if step in r.disk and ("disk", step) not in excluded]
+    return mem, disk
+
+
+def _rng_holders(reports: list[Report], step: int, ranks: int, excluded: set[tuple]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for k in range(ranks):
+        have = [
+            r.rank
+            for r in reports
+            if step in r.mem_rng.get(k, ()) or (k in r.disk_rng.get(step, ()) and ("disk", step) not in excluded)
+        ]
+        if have:
+            out[k] = k if k in have else min(have)
+    return out
+
+
+def make_plan(reports: list[Report], excluded: set[tuple] | None = None) -> Plan | None:
+    """The restore every rank agrees on, or None for a fresh start (nothing saved anywhere)."""
+    excluded = excluded or set()
+    world = len(reports)
+    saved_ws: dict[int, int] = {}
+    for r in reports:
+        for step, ws in r.mem.items():
+            if ("mem", r.rank, step) not in excluded:
+                saved_ws[step] = ws
+        for step, ws in r.disk.items():
+            if ("disk", step) not in excluded:
+                saved_ws[step] = ws
+    if not saved_ws:
+        return None
+
+    def rng_complete(step: int) -> tuple[bool, dict[int, int]]:
+        needed = min(world, saved_ws[step])
+        holders = _rng_holders(reports, step, needed, excluded)
+        return len(holders) == needed, holders
+
+    step = max(saved_ws)
+    complete, holders = rng_complete(step)
+    if not complete and step - 1 in saved_ws:
+        prev_complete, prev_holders = rng_complete(step - 1)
+        if prev_complete:
+            step, holders = step - 1, prev_holders
+    mem, disk = _holders(reports, step, excluded)
+    if len(mem) == world:
+        return Plan(step, "memory", None, saved_ws[step], holders)
+    if mem:
+        return Plan(step, "peer", min(mem), saved_ws[step], holders)
+    return Plan(step, "disk", min(disk), saved_ws[step], holders)

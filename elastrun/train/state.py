@@ -1,0 +1,426 @@
+"""State: commit a training step to memory every step, to disk every N steps, restore after a crash.
+
+``commit()`` on the training thread advances the sampler, captures this rank's RNG states (a few
+kB written to the node's snapshot directory) and, on local rank 0, starts copying the replicated
+state (model parameters and buffers, optimizer state, sampler position, extras) into a memory
+snapshot slot on a helper thread.  Parameters and optimizer state only change inside
+``optimizer.step()``, so the copy overlaps the next step's forward and backward; a pre-hook on the
+optimizer waits for the copy before the parameters change.  Every other tensor (buffers such as
+BatchNorm statistics, extras) is cloned on the training thread because forward may change it.
+
+Every ``checkpoint_every`` commits the slot is also written to ``checkpoint_dir`` by rank 0 on a
+second helper thread while every rank writes its RNG file there (see ``checkpoint.py``).
+
+``restore()`` is collective: all ranks report what they can read, agree on one step and source
+(``plan.py``), and end with identical replicated state and their own RNG states.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastrun.train import dist as edist
+from elastrun.train import rng
+from elastrun.train.background import BackgroundJob
+from elastrun.train.blob import Flattened, copy_into, flatten, make_header, materialize
+from elastrun.train.checkpoint import CheckpointCorrupt, CheckpointDir, DiskCandidate
+from elastrun.train.plan import Plan, Report, make_plan
+from elastrun.train.sampler import ElasticSampler
+from elastrun.train.snapshot import RNG_KEEP, MemorySnapshots, SlotInfo
+from elastrun.workers.heartbeat import heartbeat
+
+_RESERVED = {"step", "commit", "restore", "checkpoint", "flush", "close", "extras", "preempted"}
+
+
+def _world() -> tuple[int, int, int]:
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), local
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), local
+
+
+def _snapshot_dir(explicit: str | Path | None) -> tuple[Path, bool]:
+    """The node-local snapshot directory and whether this process owns (must remove) it."""
+    if explicit is not None:
+        return Path(explicit), False
+    if os.environ.get("ELASTRUN_SNAPSHOT_DIR"):
+        return Path(os.environ["ELASTRUN_SNAPSHOT_DIR"]), False
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id:  # another launcher: one directory per job and node, shared by its restarts
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
+        return Path(base) / f"elastrun-snap-{safe}-{socket.gethostname()}-{os.getuid()}", False
+    return Path(tempfile.mkdtemp(prefix="elastrun-snap-", dir=base)), True
+
+
+class State:
+    """Everything a training job must get back after a crash, a restart or a resize.
+
+    ``model`` (plain or DDP-wrapped), ``optimizer`` and ``sampler`` are saved with their
+    ``state_dict``; ``extras`` are other objects with ``state_dict``/``load_state_dict`` or plain
+    picklable values, readable and writable as attributes (``state.best_loss = 0.1``).  Model,
+    optimizer, sampler and extras must be the same on every rank (data parallelism); RNG states
+    are saved per rank.  ``checkpoint_every`` commits (0: never) a durable checkpoint goes to
+    ``checkpoint_dir``, keeping the newest ``keep``.  ``snapshot_dir`` overrides the node-local
+    memory directory (default: ``ELASTRUN_SNAPSHOT_DIR`` from the elastrun agent).
+    ``async_snapshot=False`` copies on the training thread (for code that changes parameters
+    outside ``optimizer.step()``).  ``handle_signals`` installs the SIGTERM pre-emption handler.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        sampler: ElasticSampler | None = None,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every: int = 0,
+        keep: int = 3,
+        snapshot_dir: str | Path | None = None,
+        async_snapshot: bool = True,
+        handle_signals: bool = True,
+        **extras: Any,
+    ) -> None:
+        bad = _RESERVED & extras.keys()
+        if bad:
+            raise ValueError(f"State extras cannot be named {sorted(bad)}: those are State's own attributes")
+        if checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+        if checkpoint_every and checkpoint_dir is None:
+            raise ValueError("checkpoint_every needs a checkpoint_dir")
+        if sampler is not None and not hasattr(sampler, "advance"):
+            raise TypeError("sampler must be an elastrun.train.ElasticSampler (it needs advance())")
+        object.__setattr__(self, "_extras", dict(extras))
+        self._model = model
+        self._optimizer = optimizer
+        self._sampler = sampler
+        self.step = 0
+        self._rank, self._world_size, self._local_rank = _world()
+        if checkpoint_dir is not None and self._rank == 0 and self._local_rank != 0:
+            raise RuntimeError("elastrun.train expects global rank 0 to be local rank 0 of its node")
+        self._writes_shared = self._local_rank == 0
+        self._every = checkpoint_every
+        self._ckpt = CheckpointDir(checkpoint_dir, keep) if checkpoint_dir is not None else None
+        snap_dir, self._owns_snap_dir = _snapshot_dir(snapshot_dir)
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+        self._mem = MemorySnapshots(snap_dir, run_id)
+        self._async = async_snapshot and optimizer is not None
+        self._writer = BackgroundJob("elastrun-snapshot")
+        self._persister = BackgroundJob("elastrun-checkpoint")
+        self._skipped_warned = False
+        self._flag_scratch: list[torch.Tensor] = []
+        #: True once this process got SIGTERM; commit() then checkpoints and exits.
+        self.preempted = False
+        self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) if optimizer else None
+        if handle_signals:
+            self._install_signal_handler()
+        atexit.register(self.close)
+
+    # -- extras as attributes -------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        extras = self.__dict__.get("_extras", {})
+        if name in extras:
+            return extras[name]
+        raise AttributeError(f"State has no attribute or extra named {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__.get("_extras", {}):
+            self._extras[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    @property
+    def extras(self) -> dict[str, Any]:
+        return self._extras
+
+    # -- what is saved ------------------------------------------------------------------------
+    def _module(self) -> torch.nn.Module | None:
+        m = self._model
+        if isinstance(m, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            return m.module
+        return m
+
+    def _tree(self) -> dict[str, Any]:
+        module = self._module()
+        return {
+            "step": self.step,
+            "model": module.state_dict() if module is not None else None,
+            "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
+            "sampler": self._sampler.state_dict() if self._sampler is not None else None,
+            "extras": {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self._extras.items()},
+        }
+
+    def _stable_ptrs(self) -> set[int]:
+        """Storage of tensors that only ``optimizer.step()`` changes (safe to copy asynchronously)."""
+        ptrs = set()
+        module = self._module()
+        if module is not None:
+            ptrs.update(p.data_ptr() for p in module.parameters())
+        if self._optimizer is not None:
+            for st in self._optimizer.state.values():
+                ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+        return ptrs
+
+    def _apply(self, tree: dict[str, Any]) -> None:
+        module = self._module()
+        if module is not None and tree["model"] is not None:
+            module.load_state_dict(tree["model"])
+        if self._optimizer is not None and tree["optimizer"] is not None:
+            self._optimizer.load_state_dict(tree["optimizer"])
+        if self._sampler is not None and tree["sampler"] is not None:
+            self._sampler.load_state_dict(tree["sampler"])
+        for k, v in tree["extras"].items():
+            if k in self._extras and hasattr(self._extras[k], "load_state_dict"):
+                self._extras[k].load_state_dict(v)
+            else:
+                self._extras[k] = v
+        self.step = tree["step"]
+
+    # -- commit --------------------------------------------------------------------------------
+    def _before_optimizer_step(self, *_: Any) -> None:
+        self._writer.wait()
+
+    def commit(self) -> None:
+        """Record that one training step is complete (call once per batch, after optimizer.step()).
+
+        Cheap on the training thread; on pre-emption (SIGTERM) it makes a durable checkpoint of
+        this step on every rank and then exits this process with status 0.
+        """
+        self._writer.wait()
+        if self._sampler is not None:
+            self._sampler.advance()
+        self.step += 1
+        heartbeat()  # progress for the agent's hang and crash-loop detection
+        stop = edist.any_flag(self.preempted, self._flag_scratch)
+        self._mem.write_rng(self._rank, self.step, rng.capture())
+        if self._writes_shared and self.step % 100 == 0:
+            self._mem.prune_rng(self.step - 2 * RNG_KEEP)
+        durable = self._ckpt is not None and (stop or (self._every > 0 and self.step % self._every == 0))
+        if self._writes_shared:
+            flat = flatten(self._tree())
+            stable = self._stable_ptrs() if self._async else set()
+            for i, t in enumerate(flat.tensors):
+                if t.numel() and not (t.data_ptr() in stable and t.is_contiguous()):
+                    flat.tensors[i] = t.clone()  # forward may change it before the copy runs
+            header = make_header(flat, step=self.step, world_size=self._world_size)
+            job = self._snapshot_job(flat, header, durable and self._rank == 0, stop)
+            if self._async:
+                self._writer.submit(job)
+            else:
+                job()
+        if durable and self._rank != 0:
+            assert self._ckpt is not None
+            ckpt, step, payload = self._ckpt, self.step, self._mem.read_rng(self._rank, self.step)
+            self._persister.submit(lambda: ckpt.write_rng(step, self._rank, payload or b""))
+        if stop:
+            self._writer.wait()
+            self._persister.wait()  # on rank 0: the job the writer queued after the snapshot
+            if self.preempted:
+                raise SystemExit(0)
+
+    def _snapshot_job(self, flat: Flattened, header: dict[str, Any], persist: bool, stop: bool):
+        def run() -> None:
+            slot, buf, view = self._mem.begin(flat.nbytes)
+            copy_into(flat, buf)
+            del buf
+            view.release()
+            self._mem.publish(slot, header)
+            if persist:
+                self._persist(slot, header, must=stop)
+
+        return run
+
+    def _persist(self, slot: int, header: dict[str, Any], must: bool) -> None:
+        """Queue the durable checkpoint of a just-published slot (skipped if one is still running)."""
+        assert self._ckpt is not None
+        if self._persister.busy() and not must:
+            if not self._skipped_warned:
+                self._skipped_warned = True
+                warnings.warn(
+                    f"checkpoint of step {header['step']} skipped: the previous one is still being written "
+                    "(raise checkpoint_every); this warning is shown once",
+                    stacklevel=2,
+                )
+            return
+        ckpt, mem, step, ws, rank = self._ckpt, self._mem, header["step"], header["world_size"], self._rank
+        payload = mem.read_rng(rank, step) or b""
+        mem.pin(slot)
+
+        def run() -> None:
+            try:
+                ckpt.write_rng(step, rank, payload)
+                shared = ckpt.write_shared(step, header, mem.data_view(slot, header["nbytes"]))
+                ckpt.write_manifest(step, ws, shared)
+            finally:
+                mem.unpin(slot)
+
+        self._persister.submit(run)
+
+    def checkpoint(self) -> None:
+        """Write a durable checkpoint of the last committed step now and wait for it (all ranks
+        must call it, e.g. at the end of training)."""
+        if self._ckpt is None:
+            raise RuntimeError("State.checkpoint() needs a checkpoint_dir")
+        self._writer.wait()
+        self._persister.wait()
+        if self._rank == 0:
+            infos = [i for i in self._mem.scan() if i.step == self.step]
+            if not infos:
+                raise RuntimeError(f"no memory snapshot of step {self.step} to checkpoint; commit() first")
+            self._persist(infos[0].slot, infos[0].header, must=True)
+        else:
+            payload = self._mem.read_rng(self._rank, self.step) or b""
+            ckpt, step, rank = self._ckpt, self.step, self._rank
+            self._persister.submit(lambda: ckpt.write_rng(step, rank, payload))
+        self._persister.wait()
+
+    def flush(self) -> None:
+        """Block until the last commit's memory snapshot (and any durable checkpoint) is written."""
+        self._writer.wait()
+        self._persister.wait()
+
+    # -- restore ---------------------------------------------------------------------------------
+    def _report(self) -> tuple[Report, dict[int, SlotInfo], dict[int, DiskCandidate]]:
+        slots = {i.step: i for i in self._mem.scan()}
+        disk = {c.step: c for c in self._ckpt.scan(warn=self._rank == 0)} if self._ckpt else {}
+        report = Report(
+            rank=self._rank,
+            mem={s: i.world_size for s, i in slots.items()},
+            mem_rng=self._mem.scan_rng(),
+            disk={s: c.world_size for s, c in disk.items()},
+            disk_rng={s: c.rng_ranks for s, c in disk.items()},
+        )
+        return report, slots, disk
+
+    def restore(self) -> str | None:
+        """Load the newest saved state all ranks agree on; returns its source or None (fresh start).
+
+        ``"memory"``: each node's own snapshot; ``"peer"``: sent by a rank whose node has it;
+        ``"disk"``: the checkpoint directory.  Collective: every rank must call it.
+        """
+        self._writer.wait()
+        self._persister.wait()
+        report, slots, disk = self._report()
+        reports = edist.all_gather(report)
+        excluded: set[tuple] = set()
+        for _ in range(4 * (len(slots) + len(disk)) + 8):
+            plan = make_plan(reports, excluded)
+            if plan is None:
+                return None
+            loaded = self._fetch(plan, slots, disk)
+            failures = edist.all_gather(None if loaded is not None else self._rank)
+            if plan.source == "memory" and any(f is not None for f in failures):
+                excluded.update(("mem", f, plan.step) for f in failures if f is not None)
+                continue
+            if loaded is None:
+                excluded.add(("disk", plan.step) if plan.source == "disk" else ("mem", plan.src_rank, plan.step))
+                continue
+            self._apply(loaded)
+            self._restore_rng(plan, disk)
+            return plan.source
+        raise RuntimeError("State.restore(): no saved state could be loaded on every rank")
+
+    def _fetch(self, plan: Plan, slots: dict[int, SlotInfo], disk: dict[int, DiskCandidate]) -> Any:
+        """The state tree of ``plan.step`` on this rank, or None when it could not be read."""
+        if plan.source == "memory":
+            try:
+                info = slots[plan.step]
+                return materialize(info.header, self._mem.read(info))
+            except (OSError, ValueError, KeyError) as e:
+                warnings.warn(f"memory snapshot of step {plan.step} unreadable on rank {self._rank}: {e}", stacklevel=3)
+                return None
+        header: Any = None
+        data = None
+        if self._rank == plan.src_rank:
+            try:
+                if plan.source == "peer":
+                    info = slots[plan.step]
+                    header, data = info.header, self._mem.read(info)
+                else:
+                    header, data = self._ckpt.load_shared(disk[plan.step])  # type: ignore[union-attr]
+            except CheckpointCorrupt as e:
+                warnings.warn(f"{e}; using an older checkpoint", stacklevel=3)
+                header = {"error": str(e)}
+            except (OSError, ValueError, KeyError) as e:
+                warnings.warn(f"step {plan.step} unreadable from {plan.source} on rank {self._rank}: {e}", stacklevel=3)
+                header = {"error": str(e)}
+        header = edist.broadcast_obj(header, plan.src_rank)  # type: ignore[arg-type]
+        if "error" in header:
+            return None
+        if data is None:
+            data = torch.empty(header["nbytes"], dtype=torch.uint8)
+        edist.broadcast_bytes(data, plan.src_rank)  # type: ignore[arg-type]
+        return materialize(header, data)
+
+    def _restore_rng(self, plan: Plan, disk: dict[int, DiskCandidate]) -> None:
+        """Gather each rank's RNG state from whoever holds it, then apply (or derive) it."""
+        mine: dict[int, bytes] = {}
+        for k, holder in plan.rng_holders.items():
+            if holder != self._rank:
+                continue
+            blob = self._mem.read_rng(k, plan.step)
+            if blob is None and plan.step in disk and self._ckpt is not None:
+                blob = self._ckpt.load_rng(disk[plan.step], k)
+            if blob is not None:
+                mine[k] = blob
+        merged: dict[int, bytes] = {}
+        for part in edist.all_gather(mine):
+            merged.update(part)
+        payload = merged.get(self._rank)
+        step, rank = plan.step, self._rank
+
+        def apply() -> None:
+            if payload is not None:
+                rng.apply(payload)
+            else:
+                rng.derive(step, rank)
+
+        # The DataLoader draws a seed from torch's generator whenever an iterator is created.  An
+        # uninterrupted run does that at the start of an epoch only, so mid-epoch the restored
+        # states are applied after the new iterator has drawn, just before its first batch.
+        if self._sampler is not None and self._sampler.position > 0:
+            self._sampler._before_first_batch = apply
+        else:
+            apply()
+
+    # -- pre-emption ------------------------------------------------------------------------------
+    def _install_signal_handler(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn("State created off the main thread: SIGTERM pre-emption handling disabled", stacklevel=3)
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self.preempted = True
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    # -- shutdown ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Let background writes finish (bounded) and release resources; called at exit too."""
+        for job in (self._writer, self._persister):
+            try:
+                job.wait(timeout=120)
+            except RuntimeError as e:
+                warnings.warn(str(e), stacklevel=2)
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._mem.close()
+        if self._owns_snap_dir:
+            shutil.rmtree(self._mem.dir, ignore_errors=True)
+            self._owns_snap_dir = False

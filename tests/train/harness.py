@@ -1,0 +1,133 @@
+"""Helpers for the behavioural tests: run trainer.py under the real elastrun launcher and read
+back what it recorded.  Every process is started in its own session and killed by process group
+id at the end; every wait is bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TRAINER = Path(__file__).with_name("trainer.py")
+PRELOAD = "--preload=torch,elastrun.train"
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    e.pop("ELASTRUN_SNAPSHOT_DIR", None)
+    return e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def standalone(out: Path, trainer_args: list[str], nproc: int = 2, flags: tuple[str, ...] = ()) -> list[str]:
+    return [
+        sys.executable, "-m", "elastrun", "--standalone", f"--nproc-per-node={nproc}", PRELOAD, *flags,
+        str(TRAINER), "--out", str(out), *trainer_args,
+    ]  # fmt: skip
+
+
+def elastic(out: Path, port: int, run_id: str, trainer_args: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "elastrun", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={run_id}", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3", PRELOAD,
+        str(TRAINER), "--out", str(out), *trainer_args,
+    ]  # fmt: skip
+
+
+class Procs:
+    """Launched agents; :meth:`cleanup` SIGKILLs whatever is left (by process group id)."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], log: Path) -> subprocess.Popen:
+        with open(log, "wb") as f:
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env(), start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def run(self, cmd: list[str], log: Path, timeout: float = 120) -> int:
+        p = self.start(cmd, log)
+        try:
+            return p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(p)
+            raise AssertionError(f"launcher did not finish in {timeout} s; log:\n{log.read_text()[-3000:]}") from None
+
+    def cleanup(self) -> None:
+        for p in self.procs:
+            kill_group(p)
+
+
+def kill_group(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        p.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def restores(out: Path) -> dict[tuple[int, int], dict]:
+    """``{(attempt, rank): what restore() returned}``."""
+    found = {}
+    for p in out.glob("restore.r*.a*.json"):
+        rank, attempt = p.name[len("restore.r") : -len(".json")].split(".a")
+        found[(int(attempt), int(rank))] = json.loads(p.read_text())
+    return found
+
+
+def committed_steps(out: Path) -> dict[int, list[dict]]:
+    """Per step, the records of the latest attempt that ran it (the one whose commit counted)."""
+    by_step: dict[int, list[dict]] = defaultdict(list)
+    for p in out.glob("batches.r*.jsonl"):
+        for line in p.read_text().splitlines():
+            by_step[json.loads(line)["step"]].append(json.loads(line))
+    return {s: [r for r in recs if r["attempt"] == max(x["attempt"] for x in recs)] for s, recs in by_step.items()}
+
+
+def samples_per_epoch(out: Path) -> dict[int, list[int]]:
+    per_epoch: dict[int, list[int]] = defaultdict(list)
+    for recs in committed_steps(out).values():
+        for r in recs:
+            per_epoch[r["epoch"]].extend(r["idx"])
+    return per_epoch
+
+
+def assert_exactly_once(out: Path, samples: int, epochs: int) -> None:
+    per_epoch = samples_per_epoch(out)
+    assert sorted(per_epoch) == list(range(epochs)), f"epochs seen: {sorted(per_epoch)}"
+    for epoch, idx in per_epoch.items():
+        assert sorted(idx) == list(range(samples)), (
+            f"epoch {epoch}: {len(idx)} samples used, {len(set(idx))} distinct, expected each of {samples} once"
+        )
+
+
+def remove_snapshot_dirs(run_id: str) -> None:
+    """Snapshot directories of agents the test SIGKILLed (a live agent removes its own)."""
+    for d in Path("/dev/shm").glob(f"elastrun-*{run_id}*"):
+        shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,199 @@
+"""State blobs, memory-snapshot slots, checkpoint files, the restore plan, and a one-process
+State round trip (in-process: no process group is needed for these)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from elastrun.train import ElasticSampler, State
+from elastrun.train.blob import copy_into, flatten, make_header, materialize
+from elastrun.train.checkpoint import CheckpointCorrupt, CheckpointDir
+from elastrun.train.plan import Report, make_plan
+from elastrun.train.snapshot import MemorySnapshots
+
+
+def sample_state():
+    return {
+        "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        "nested": [torch.tensor([True, False]), (torch.zeros(0), 5)],
+        "half": torch.ones(3, dtype=torch.bfloat16),
+        "plain": {"lr": 0.1},
+    }
+
+
+def roundtrip_equal(a, b):
+    assert torch.equal(a["w"], b["w"]) and torch.equal(a["half"], b["half"])
+    assert torch.equal(a["nested"][0], b["nested"][0]) and b["nested"][1][1] == 5
+    assert b["plain"] == {"lr": 0.1}
+
+
+def test_blob_round_trip():
+    flat = flatten(sample_state())
+    buf = torch.zeros(flat.nbytes, dtype=torch.uint8)
+    copy_into(flat, buf)
+    roundtrip_equal(sample_state(), materialize(make_header(flat, step=1), buf))
+
+
+def test_memory_slot_is_whole_or_ignored(tmp_path):
+    mem = MemorySnapshots(tmp_path, "job")
+    flat = flatten(sample_state())
+    slot, buf, view = mem.begin(flat.nbytes)
+    copy_into(flat, buf)
+    del buf
+    view.release()
+    mem.publish(slot, make_header(flat, step=7, world_size=2))
+    # a second copy cut in the middle: its meta is never published
+    slot2, buf2, view2 = mem.begin(flat.nbytes)
+    assert slot2 != slot
+    buf2[:5].fill_(0xAB)
+    del buf2
+    view2.release()
+    found = MemorySnapshots(tmp_path, "job").scan()
+    assert [(i.step, i.slot) for i in found] == [(7, slot)]
+    roundtrip_equal(sample_state(), materialize(found[0].header, mem.read(found[0])))
+    assert MemorySnapshots(tmp_path, "another-job").scan() == []  # a stale job's snapshot is ignored
+    mem.close()
+
+
+def write_ckpt(ck: CheckpointDir, step: int, world: int = 2):
+    flat = flatten(sample_state())
+    buf = torch.zeros(flat.nbytes, dtype=torch.uint8)
+    copy_into(flat, buf)
+    for r in range(world):
+        ck.write_rng(step, r, f"rng{r}".encode())
+    shared = ck.write_shared(step, make_header(flat, step=step, world_size=world), memoryview(buf.numpy()))
+    assert ck.write_manifest(step, world, shared, wait_s=5)
+
+
+def test_checkpoints_keep_last_k_and_load(tmp_path):
+    ck = CheckpointDir(tmp_path, keep=2)
+    for step in (5, 10, 15):
+        write_ckpt(ck, step)
+    (tmp_path / "step-000000000003").mkdir()  # abandoned, incomplete
+    write_ckpt(ck, 20)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000000015", "step-000000000020"]
+    cand = ck.scan()[0]
+    assert (cand.step, cand.world_size, cand.rng_ranks) == (20, 2, [0, 1])
+    header, data = ck.load_shared(cand)
+    roundtrip_equal(sample_state(), materialize(header, data))
+    assert ck.load_rng(cand, 1) == b"rng1"
+
+
+def test_corrupt_truncated_and_garbled_checkpoints_are_named(tmp_path):
+    ck = CheckpointDir(tmp_path, keep=5)
+    for step in (5, 10, 15):
+        write_ckpt(ck, step)
+    flipped = tmp_path / "step-000000000015" / "shared.bin"
+    raw = bytearray(flipped.read_bytes())
+    raw[-1] ^= 1
+    flipped.write_bytes(bytes(raw))
+    truncated = tmp_path / "step-000000000010" / "rng.r1.pkl"
+    truncated.write_bytes(b"rng")
+    (tmp_path / "step-000000000005" / "manifest.json").write_text("{not json")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cands = ck.scan()
+    text = "\n".join(str(x.message) for x in w)
+    assert [c.step for c in cands] == [15]
+    assert str(truncated) in text and "truncated" in text
+    assert str(tmp_path / "step-000000000005" / "manifest.json") in text
+    with pytest.raises(CheckpointCorrupt, match=str(flipped)):
+        ck.load_shared(cands[0])
+
+
+def test_incomplete_checkpoint_without_manifest_is_invisible(tmp_path):
+    ck = CheckpointDir(tmp_path)
+    ck.write_rng(5, 0, b"x")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert not ck.write_manifest(5, 2, (0, 0), wait_s=0.2)  # rank 1 never wrote its file
+    assert "never arrived" in str(w[0].message)
+    assert ck.scan() == []
+
+
+def test_plan_rules():
+    full = {0: [6, 7], 1: [6, 7]}
+    # every rank's node has step 7: memory
+    p = make_plan([Report(0, mem={6: 2, 7: 2}, mem_rng=full), Report(1, mem={6: 2, 7: 2}, mem_rng=full)])
+    assert (p.step, p.source) == (7, "memory")
+    # rank 1 died before committing step 7: step 6 keeps the run deterministic
+    lag = {0: [6, 7], 1: [6]}
+    p = make_plan([Report(0, mem={6: 2, 7: 2}, mem_rng=lag), Report(1, mem={6: 2, 7: 2}, mem_rng=lag)])
+    assert p.step == 6
+    # a joining node has nothing: peer, from the rank that has it
+    p = make_plan([Report(0, mem={7: 1}, mem_rng={0: [7]}), Report(1)])
+    assert (p.step, p.source, p.src_rank, p.rng_holders) == (7, "peer", 0, {0: 0})
+    # disk newer than memory wins; an excluded (corrupt) disk step falls back
+    reports = [Report(0, mem={4: 1}, mem_rng={0: [4]}, disk={9: 1}, disk_rng={9: [0]})]
+    assert (make_plan(reports).source, make_plan(reports).step) == ("disk", 9)
+    assert make_plan(reports, {("disk", 9)}).step == 4
+    assert make_plan([Report(0), Report(1)]) is None
+
+
+def make_job(tmp_path, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sampler = ElasticSampler(64, batch_size=8, seed=1, num_replicas=1, rank=0)
+    state = State(
+        model=model,
+        optimizer=opt,
+        sampler=sampler,
+        checkpoint_dir=tmp_path / "ck",
+        checkpoint_every=3,
+        snapshot_dir=tmp_path / "shm",
+        handle_signals=False,
+        best=1.0,
+    )
+    return model, opt, sampler, state
+
+
+def train(model, opt, sampler, state, steps):
+    data = torch.randn(64, 4, generator=torch.Generator().manual_seed(5))
+    for _ in range(steps):
+        idx = next(iter(sampler))
+        loss = model(data[idx]).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state.best = min(state.best, loss.item())
+        state.commit()
+
+
+def test_state_restores_from_memory_then_disk(tmp_path):
+    model, opt, sampler, state = make_job(tmp_path)
+    assert state.restore() is None
+    train(model, opt, sampler, state, 10)
+    state.flush()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    best = state.best
+
+    m2, o2, s2, st2 = make_job(tmp_path, seed=1)
+    assert st2.restore() == "memory"
+    assert st2.step == 10 and (s2.epoch, s2.position) == (1, 16) and st2.best == best
+    for k, v in m2.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+    # checkpoints every 3 steps; one may be skipped while the previous is still being written
+    newest = CheckpointDir(tmp_path / "ck").scan()[0].step
+    assert newest in (6, 9)
+    assert json.loads((tmp_path / "ck" / f"step-{newest:012d}" / "manifest.json").read_text())["step"] == newest
+    st2.close()
+    state.close()
+
+    shutil.rmtree(tmp_path / "shm")
+    m3, o3, s3, st3 = make_job(tmp_path, seed=2)
+    assert st3.restore() == "disk"
+    assert st3.step == newest and len(o3.state_dict()["state"]) == 6
+    st3.close()
+
+
+def test_state_rejects_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="checkpoint_dir"):
+        State(checkpoint_every=5, snapshot_dir=tmp_path, handle_signals=False)
+    with pytest.raises(ValueError, match="commit"):
+        State(snapshot_dir=tmp_path, handle_signals=False, commit=1)

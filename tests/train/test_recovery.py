@@ -1,0 +1,157 @@
+"""Behavioural tests of elastrun.train under the real launcher (real agents, real gloo workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+import uuid
+
+import pytest
+
+from tests.train.harness import (
+    assert_exactly_once,
+    committed_steps,
+    elastic,
+    free_port,
+    remove_snapshot_dirs,
+    restores,
+    standalone,
+    wait_for,
+)
+
+SAMPLES, BATCH, EPOCHS = 96, 4, 2  # 12 steps an epoch at world size 2
+STEPS = SAMPLES // (BATCH * 2) * EPOCHS
+
+
+def final(out):
+    return json.loads((out / "final.json").read_text())
+
+
+def test_crashes_at_random_points_end_bit_for_bit_equal(work, procs):
+    """Requirement 6 plus restore-from-memory, the torn snapshot copy and zero lost commits."""
+    clean, crashed = work / "clean", work / "crashed"
+    clean.mkdir()
+    crashed.mkdir()
+    args = ["--ddp", "--ckpt", "CKPT", "--every", "5"]
+    rc = procs.run(standalone(clean, [a.replace("CKPT", str(clean / "ck")) for a in args]), work / "clean.log")
+    assert rc == 0, (work / "clean.log").read_text()[-3000:]
+
+    seed = int(os.environ.get("ELASTRUN_TEST_SEED", random.randrange(1 << 30)))
+    rnd = random.Random(seed)
+    kinds = ["before", "copy", "after"]
+    rnd.shuffle(kinds)
+    steps = sorted(rnd.sample(range(2, STEPS), 3))
+    crashes = [
+        f"{i}:{rnd.randrange(2) if k != 'copy' else 0}:{s}:{k}"
+        for i, (s, k) in enumerate(zip(steps, kinds, strict=True))
+    ]
+    cmd = standalone(
+        crashed,
+        [a.replace("CKPT", str(crashed / "ck")) for a in args] + [f"--crash={c}" for c in crashes],
+        # the crashes are injected on purpose, often a few steps apart: not a crash loop
+        flags=("--max-restarts=3", "--crash-loop-limit=0"),
+    )
+    rc = procs.run(cmd, work / "crashed.log")
+    log = (work / "crashed.log").read_text()
+    assert rc == 0, f"seed {seed}, crashes {crashes}\n{log[-3000:]}"
+
+    got = restores(crashed)
+    for attempt, (step, kind) in enumerate(zip(steps, kinds, strict=True), start=1):
+        for rank in (0, 1):
+            r = got[(attempt, rank)]
+            assert r["source"] == "memory", (seed, crashes, r)
+            # "after": every rank committed ``step``, none of it is lost.  "before" / "copy": the
+            # step never completed (or its snapshot copy was torn), the one before is used.
+            expected = step if kind == "after" else step - 1
+            assert r["step"] == expected, (seed, crashes, attempt, r)
+    assert final(crashed) == final(clean), f"seed {seed}, crashes {crashes}: parameters differ"
+    assert_exactly_once(crashed, SAMPLES, EPOCHS)
+
+
+def test_preemption_checkpoints_and_restores_from_disk(work, procs):
+    """SIGTERM: the step in flight finishes, a checkpoint is made, workers exit 0; a new job
+    (fresh node memory) restores from disk and ends equal to an uninterrupted run."""
+    ck = work / "ck"
+    first, second, clean = work / "first", work / "second", work / "clean"
+    for d in (first, second, clean):
+        d.mkdir()
+    agent = procs.start(standalone(first, ["--ckpt", str(ck), "--every", "5", "--sleep", "0.25"]), work / "first.log")
+    wait_for(lambda: len(committed_steps(first)) >= 7, 60, "7 steps")
+    os.kill(agent.pid, signal.SIGTERM)
+    agent.wait(60)
+    log = (work / "first.log").read_text()
+    stops = [json.loads((first / f"preempted.r{r}.json").read_text())["step"] for r in (0, 1)]
+    assert stops[0] == stops[1], log[-3000:]
+    stop = stops[0]
+    assert (ck / f"step-{stop:012d}" / "manifest.json").exists(), sorted(p.name for p in ck.iterdir())
+    assert "Traceback" not in log, log[-3000:]
+
+    rc = procs.run(standalone(second, ["--ckpt", str(ck), "--every", "5"]), work / "second.log")
+    assert rc == 0, (work / "second.log").read_text()[-3000:]
+    assert {v["source"] for v in restores(second).values()} == {"disk"}
+    assert {v["step"] for v in restores(second).values()} == {stop}
+    rc = procs.run(standalone(clean, []), work / "clean.log")
+    assert rc == 0
+    assert final(second) == final(clean)
+
+
+def test_corrupt_and_truncated_checkpoints_fall_back(work, procs):
+    """A bit flip (CRC) and a truncated file are named in a warning; the previous checkpoint is used."""
+    ck = work / "ck"
+    first, second = work / "first", work / "second"
+    first.mkdir()
+    second.mkdir()
+    rc = procs.run(standalone(first, ["--ckpt", str(ck), "--every", "5", "--stop-at-step", "20"]), work / "a.log")
+    assert rc == 0, (work / "a.log").read_text()[-3000:]
+    assert sorted(p.name for p in ck.iterdir()) == [f"step-{s:012d}" for s in (10, 15, 20)]
+    flipped = ck / f"step-{20:012d}" / "shared.bin"
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    truncated = ck / f"step-{15:012d}" / "shared.bin"
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+
+    rc = procs.run(standalone(second, ["--ckpt", str(ck), "--every", "5"]), work / "b.log")
+    log = (work / "b.log").read_text()
+    assert rc == 0, log[-3000:]
+    assert {(v["source"], v["step"]) for v in restores(second).values()} == {("disk", 10)}, log[-3000:]
+    assert f"checkpoint file {flipped} is corrupt" in log
+    assert f"checkpoint file {truncated} has" in log and "truncated" in log
+
+
+@pytest.mark.slow
+def test_resize_two_one_two_every_sample_once(work, procs):
+    """Node loss (2 → 1, restore from the survivor's memory) and node join (1 → 2, the joiner gets
+    the state from a peer); every sample of every epoch is used exactly once by committed steps."""
+    samples, epochs = 240, 2
+    out = work / "out"
+    out.mkdir()
+    run_id = f"train-test-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    args = ["--samples", str(samples), "--epochs", str(epochs), "--sleep", "0.15"]
+    try:
+        a = procs.start(elastic(out, port, run_id, args), work / "a.log")
+        time.sleep(1.5)  # A hosts the rendezvous store; it must outlive B
+        b = procs.start(elastic(out, port, run_id, args), work / "b.log")
+        wait_for(lambda: any(k[0] >= 0 and v["world_size"] == 2 for k, v in restores(out).items()), 60, "world 2")
+        first = max(committed_steps(out))
+        wait_for(lambda: max(committed_steps(out)) >= first + 8, 60, "progress at world size 2")
+        os.killpg(b.pid, signal.SIGKILL)  # node loss: agent and worker
+        b.wait(10)
+        wait_for(lambda: any(v["world_size"] == 1 and v["source"] for v in restores(out).values()), 90, "world 1")
+        shrink = max(k[0] for k, v in restores(out).items() if v["world_size"] == 1)
+        wait_for(lambda: max(committed_steps(out)) >= restores(out)[(shrink, 0)]["step"] + 8, 60, "progress at 1")
+        procs.start(elastic(out, port, run_id, args), work / "b2.log")
+        assert a.wait(150) == 0, (work / "a.log").read_text()[-3000:]
+    finally:
+        remove_snapshot_dirs(run_id)
+    got = restores(out)
+    logs = "\n".join((work / n).read_text()[-1500:] for n in ("a.log", "b.log", "b2.log"))
+    assert got[(shrink, 0)]["source"] == "memory", (got, logs)
+    grow = [k for k, v in got.items() if k[0] > shrink and v["world_size"] == 2]
+    assert grow, (got, logs)
+    assert {got[k]["source"] for k in grow if k[0] == max(g[0] for g in grow)} == {"peer"}, (got, logs)
+    assert_exactly_once(out, samples, epochs)
