@@ -91,9 +91,9 @@ class GroupEnd:
     exit_code: int = 1
 
 
-def sweep_stale_runtime_dirs(base: Path) -> None:
-    """Remove ``elastrun-*`` runtime directories whose owning agent is no longer running."""
-    for path in base.glob("elastrun-*"):
+def sweep_stale_runtime_dirs(base: Path, pattern: str = "elastrun-*") -> None:
+    """Remove the agent directories under ``base`` whose owning agent (``owner.pid``) no longer runs."""
+    for path in base.glob(pattern):
         owner = path / "owner.pid"
         try:
             pid = int(owner.read_text())
@@ -139,7 +139,9 @@ class LocalAgent:
         self.hostname = socket.gethostname()
         self.console = console or Console(self.node_id, quiet=config.quiet, verbose=config.verbose)
         self.log_dir = Path(config.log_dir) if config.log_dir else None
+        sweep_stale_runtime_dirs(Path(tempfile.gettempdir()), "elastrun-agent-*")
         self._tmp_dir = Path(tempfile.mkdtemp(prefix="elastrun-agent-"))
+        (self._tmp_dir / "owner.pid").write_text(str(os.getpid()))
         self.error_dir = self.log_dir if self.log_dir is not None else self._tmp_dir
         self.runtime_dir = self._make_runtime_dir()
         self.snapshot_dir = self.runtime_dir / "snapshot"

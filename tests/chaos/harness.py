@@ -1,0 +1,730 @@
+"""The chaos harness: one elastic training job (tests/chaos/trainer.py under real elastrun agents),
+faults injected one after another on a seeded random schedule, each measured, then the invariants
+(:mod:`tests.chaos.verify`) checked.
+
+Usage::
+
+    spec = JobSpec(backend="c10d", faults=8, seed=1)
+    result = run_job(spec)            # sets up, injects, verifies, cleans up everything
+    assert result.ok, result.summary()
+
+Faults (:data:`KINDS`): a worker SIGKILLed, a worker exiting 1, a worker hung (SIGSTOP), an agent
+SIGKILLed (a lost node), an agent SIGTERMed (pre-emption), a node joining (after every node
+removal the next fault brings a node back, so capacity returns), an etcd member SIGKILLed
+(restarted once training went on without it), a node cut off the network (network namespaces,
+root only; the link comes back once the others re-formed) and a slow node (its agent and workers
+SIGSTOPped for ``slow_seconds``, below every timeout, so nothing may restart).
+
+Faults are injected one at a time, each once the job trains steadily at its expected world size,
+so each one's detection and recovery can be measured on its own:
+
+* detection: injection → the first event that names it (``worker_failure``, ``hang_detected``, a
+  survivor's ``restart``/``node_lost``, ``nodes_waiting``);
+* restart: injection → the agents' ``recovered`` event (all workers started again);
+* first step: injection → the first step record of the new worker group at the expected size
+  (for the faults that must not restart anything: the end of the fault → the next step);
+* steps lost: the newest step run before the new group, minus the step the new group restored.
+
+With c10d the agent that hosts the store (node 0, started first) is never removed or cut off: the
+c10d backend has a documented single point of failure there.  With etcd any node may go.
+Every process is started in its own session and tracked by PID (psutil); nothing is looked up by
+name.  Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tests.chaos import records, verify
+from tests.chaos.records import StepLog
+
+REPO = Path(__file__).resolve().parents[2]
+TRAINER = Path(__file__).with_name("trainer.py")
+
+KINDS = ("worker_kill", "worker_exit", "worker_hang", "agent_kill", "agent_term", "node_join",
+         "etcd_kill", "partition", "slow_node")
+WORKER_KINDS = ("worker_kill", "worker_exit", "worker_hang")
+NODE_KINDS = ("agent_kill", "agent_term", "node_join", "partition")
+REMOVALS = ("agent_kill", "agent_term", "partition")
+#: Faults after which nothing may restart: the job only stalls.
+QUIET_KINDS = ("etcd_kill", "slow_node")
+
+
+@dataclass
+class JobSpec:
+    """What one chaos job runs and which faults it may draw."""
+
+    backend: str = "c10d"
+    seed: int = 1
+    faults: int = 8
+    kinds: tuple[str, ...] = ("worker_kill", "worker_exit", "worker_hang", "agent_kill", "agent_term",
+                              "node_join", "slow_node")
+    nodes: int = 3
+    min_nodes: int = 2
+    nproc: int = 1
+    #: fork: the warm pool (workers forked from a template that imported torch); spawn: exec each one.
+    start_method: str = "fork"
+    netns: bool = False
+    samples: int = 96
+    batch: int = 4
+    pace: float = 0.05
+    hang_timeout: float = 3.0
+    max_restarts: int = 100000
+    slow_seconds: float = 1.0
+    fault_timeout: float = 60.0
+    end_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        unknown = set(self.kinds) - set(KINDS)
+        if unknown:
+            raise ValueError(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+        if self.backend not in ("c10d", "etcd"):
+            raise ValueError(f"backend must be c10d or etcd, got {self.backend!r}")
+        if "etcd_kill" in self.kinds and self.backend != "etcd":
+            raise ValueError("etcd_kill needs backend='etcd'")
+        if "partition" in self.kinds and not self.netns:
+            raise ValueError("partition needs netns=True (network namespaces, root)")
+        if self.netns and (self.backend != "etcd" or self.nodes != 3):
+            raise ValueError("the netns job runs 3 nodes on the etcd backend")
+        if not 1 <= self.min_nodes <= self.nodes:
+            raise ValueError(f"min_nodes must be in [1, {self.nodes}], got {self.min_nodes}")
+
+
+@dataclass
+class Fault:
+    """One injected fault and what was measured."""
+
+    kind: str
+    node: int
+    t0: float
+    detect: float | None = None
+    restart: float | None = None
+    first_step: float | None = None
+    steps_lost: int | None = None
+    logged: bool = False
+    note: str = ""
+
+
+@dataclass
+class RunResult:
+    """A finished chaos job: its faults, the invariants' verdicts and a few facts."""
+
+    spec: JobSpec
+    faults: list[Fault] = field(default_factory=list)
+    checks: list[verify.Check] = field(default_factory=list)
+    duration: float = 0.0
+    exit_codes: list[int | None] = field(default_factory=list)
+    worlds: list[int] = field(default_factory=list)
+    steps: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    def summary(self) -> str:
+        lines = [f"{self.spec.backend}{' netns' if self.spec.netns else ''} seed {self.spec.seed}: "
+                 f"{len(self.faults)} faults, {self.steps} steps, {self.duration:.0f} s, exit codes {self.exit_codes}"]
+        lines += [f"  [{'ok' if c.ok else 'VIOLATED'}] {c.name}: {c.detail}" for c in self.checks]
+        for f in self.faults:
+            lines.append(f"  {f.kind:<12} node {f.node}: detect {_fmt(f.detect)} restart {_fmt(f.restart)} "
+                         f"first step {_fmt(f.first_step)} lost {f.steps_lost} logged {f.logged} {f.note}")
+        return "\n".join(lines)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}s"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Node:
+    """One agent slot; ``proc`` is the agent of its latest start."""
+
+    index: int
+    proc: subprocess.Popen | None = None
+    state: str = "down"  # up | down | cut
+    node_id: str | None = None
+
+
+class ChaosJob:
+    """Runs one job; use as a context manager so that everything is cleaned up."""
+
+    def __init__(self, spec: JobSpec, work: Path | None = None) -> None:
+        self.spec = spec
+        self.rng = random.Random(spec.seed)
+        self.work = work or Path(tempfile.mkdtemp(prefix="elastrun-chaos-"))
+        self.out = self.work / "data"
+        self.logs = self.work / "logs"
+        self.hold = self.work / "hold"
+        self.run_id = f"chaos{os.getpid()}x{spec.seed}x{int(time.time() * 1000) % 100000}"
+        self.nodes = [Node(i) for i in range(spec.nodes)]
+        self.tracked: dict[int, float] = {}
+        self.steps = StepLog(self.out)
+        self.etcd: Any = None
+        self.net: Any = None
+        self.endpoint = ""
+        self.faults: list[Fault] = []
+        self.pending_join = False
+        self._hb_dirs: set[Path] = set()
+        self._tmp_before = self._agent_tmp_dirs()
+
+    # ------------------------------------------------------------------ set-up / tear-down
+    def __enter__(self) -> ChaosJob:
+        try:
+            self.out.mkdir(parents=True)
+            self.logs.mkdir()
+            self.hold.write_text("")
+            if self.spec.netns:
+                from tests.netns.test_etcd_partition import Net
+
+                self.net = Net()
+                self.net.up()
+            if self.spec.backend == "etcd":
+                from tests.rendezvous.etcd_cluster import EtcdCluster
+
+                if self.net is not None:
+                    self.etcd = EtcdCluster(3, host=f"{self.net.subnet}.1", wrap=self._hub())
+                else:
+                    self.etcd = EtcdCluster(3)
+                self.etcd.start()
+                self.endpoint = self.etcd.endpoints
+            else:
+                self.endpoint = f"127.0.0.1:{free_port()}"
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    def _hub(self) -> list[str]:
+        return ["ip", "netns", "exec", self.net.hub]
+
+    def cleanup(self) -> None:
+        """Kill every process of the run (by PID), remove etcd, namespaces and directories."""
+        self.track()
+        for node in self.nodes:
+            if node.proc is not None and node.proc.poll() is None:
+                try:
+                    os.killpg(node.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for pid, created in self.tracked.items():
+            _kill_if_same(pid, created)
+        for node in self.nodes:
+            if node.proc is not None:
+                try:
+                    node.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    pass
+        if self.etcd is not None:
+            self.etcd.stop()
+        if self.net is not None:
+            self.net.down()
+        self._remove_leftover_shm()
+        if os.environ.get("CHAOS_KEEP"):  # for a post-mortem: keep logs and records
+            print(f"chaos: work directory kept: {self.work}", file=sys.stderr)
+        else:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    @staticmethod
+    def _agent_tmp_dirs() -> set[Path]:
+        return set(Path(tempfile.gettempdir()).glob("elastrun-agent-*"))
+
+    def _remove_leftover_shm(self) -> None:
+        """What SIGKILLed agents could not remove: their snapshot directories (named by run id), their
+        workers' heartbeat directories (read from the workers' environment) and their temporary
+        directories (new since the start, empty — this job passes --log-dir — and idle for 5 s)."""
+        for d in [*Path("/dev/shm").glob(f"elastrun-{self.run_id}-*"), *self._hb_dirs]:
+            shutil.rmtree(d, ignore_errors=True)
+        now = time.time()
+        for d in self._agent_tmp_dirs() - self._tmp_before:
+            try:
+                if not any(d.iterdir()) and now - d.stat().st_mtime > 5:
+                    d.rmdir()
+            except OSError:
+                continue
+
+    # ------------------------------------------------------------------ processes
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(REPO)
+        env["OMP_NUM_THREADS"] = "1"
+        env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        env.pop("ELASTRUN_SNAPSHOT_DIR", None)
+        if self.net is not None:
+            env["GLOO_SOCKET_IFNAME"] = "eth0"
+        return env
+
+    def _argv(self, node: Node) -> list[str]:
+        s = self.spec
+        wrap = ["ip", "netns", "exec", self.net.nodes[node.index]] if self.net is not None else []
+        return [
+            *wrap, sys.executable, "-m", "elastrun", f"--nnodes={s.min_nodes}:{s.nodes}",
+            f"--nproc-per-node={s.nproc}", f"--rdzv-backend={s.backend}", f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.run_id}", f"--max-restarts={s.max_restarts}", f"--hang-timeout={s.hang_timeout:g}",
+            f"--start-method={s.start_method}", "--preload=torch,elastrun.train", f"--log-dir={self.logs}",
+            str(TRAINER), "--out", str(self.out), "--ckpt", str(self.work / "ckpt"), "--every", "50",
+            "--hold-file", str(self.hold), "--pace", str(s.pace), "--samples", str(s.samples),
+            "--batch", str(s.batch),
+        ]  # fmt: skip
+
+    def start_node(self, node: Node) -> None:
+        log = open(self.work / f"agent{node.index}.log", "ab")  # noqa: SIM115 - handed to the child
+        node.proc = subprocess.Popen(self._argv(node), stdout=log, stderr=subprocess.STDOUT, env=self._env(),
+                                     cwd=REPO, start_new_session=True)
+        log.close()
+        node.state = "up"
+        node.node_id = None
+        self.tracked[node.proc.pid] = psutil.Process(node.proc.pid).create_time()
+
+    def start(self) -> None:
+        """Start every node (c10d: node 0 first, once it listens on the endpoint, the others)."""
+        self.start_node(self.nodes[0])
+        if self.spec.backend == "c10d":
+            host, port = self.endpoint.rsplit(":", 1)
+            self._wait(lambda: _listening(host, int(port)), 30, "the c10d store of node 0")
+        for node in self.nodes[1:]:
+            self.start_node(node)
+
+    def track(self) -> None:
+        """Remember every descendant of every live agent (PID and start time)."""
+        for node in self.nodes:
+            if node.proc is None or node.proc.poll() is not None:
+                continue
+            try:
+                for child in psutil.Process(node.proc.pid).children(recursive=True):
+                    if child.pid not in self.tracked:
+                        self.tracked[child.pid] = child.create_time()
+                        self._note_heartbeat_dir(child)
+            except psutil.Error:
+                continue
+
+    def _note_heartbeat_dir(self, proc: psutil.Process) -> None:
+        """Remember a worker's heartbeat directory: a SIGKILLed agent cannot remove it."""
+        try:
+            path = proc.environ().get("ELASTRUN_HEARTBEAT_FILE")
+        except psutil.Error:
+            return
+        if path:
+            self._hb_dirs.add(Path(path).parent)
+
+    def events(self) -> list[dict[str, Any]]:
+        return records.events(self.logs)
+
+    def node_id(self, node: Node) -> str | None:
+        if node.node_id is None and node.proc is not None:
+            for e in self.events():
+                if e["event"] == "agent_start" and e.get("pid") == node.proc.pid:
+                    node.node_id = e["node"]
+        return node.node_id
+
+    def worker_pids(self, node: Node) -> list[int]:
+        """PIDs of the node's workers of its latest round that are still running."""
+        nid = self.node_id(node)
+        starts = [e for e in self.events() if e["node"] == nid and e["event"] == "worker_start"]
+        if not starts:
+            return []
+        latest = max(e["round"] for e in starts)
+        pids = []
+        for e in starts:
+            if e["round"] == latest:
+                try:
+                    if psutil.Process(e["pid"]).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                        pids.append(e["pid"])
+                except psutil.Error:
+                    pass
+        return pids
+
+    def _wait(self, predicate, timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.track()
+            value = predicate()
+            if value:
+                return value
+            if all(n.proc.poll() is not None for n in self.nodes if n.proc is not None):
+                raise RuntimeError(f"every agent has exited while waiting for {what}")
+            time.sleep(0.05)
+        raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+
+    # ------------------------------------------------------------------ training progress
+    def up_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if n.state == "up"]
+
+    def expected_world(self) -> int:
+        return len(self.up_nodes()) * self.spec.nproc
+
+    def steady(self, since: float, count: int = 3) -> bool:
+        """``count`` steps of one group of the expected size committed after ``since``."""
+        self.steps.refresh()
+        recent = self.steps.after(since)
+        if not recent:
+            return False
+        gen = max(r["g"] for r in recent)
+        steps = {r["s"] for r in recent if r["g"] == gen and r["w"] == self.expected_world()}
+        return len(steps) >= count
+
+    def first_step(self, after: float, min_gen: int, world: int | None) -> dict[str, Any] | None:
+        self.steps.refresh()
+        found = [r for r in self.steps.after(after) if r["g"] >= min_gen and (world is None or r["w"] == world)]
+        return min(found, key=lambda r: r["t"]) if found else None
+
+    # ------------------------------------------------------------------ the schedule
+    def allowed(self) -> list[str]:
+        if self.pending_join:
+            return ["node_join"]
+        up = self.up_nodes()
+        kinds = []
+        for kind in self.spec.kinds:
+            if kind in REMOVALS and not (len(up) > self.spec.min_nodes and self.removable()):
+                continue
+            if kind == "node_join" and len(up) == self.spec.nodes:
+                continue
+            kinds.append(kind)
+        return kinds
+
+    def removable(self) -> list[Node]:
+        """Nodes that may be removed: any up node with etcd; with c10d not node 0 (the store host)."""
+        return [n for n in self.up_nodes() if n.index != 0 or self.spec.backend != "c10d"]
+
+    def run_faults(self) -> None:
+        """Inject ``spec.faults`` faults, one at a time, each after the job trains steadily."""
+        since = time.time()
+        for _ in range(self.spec.faults):
+            self._wait(lambda s=since: self.steady(s), self.spec.fault_timeout, "steady training")
+            time.sleep(self.rng.uniform(0.0, 0.4))
+            kinds = self.allowed()
+            if not kinds:
+                raise RuntimeError(f"no fault kind of {self.spec.kinds} can be injected now")
+            kind = self.rng.choice(kinds)
+            fault = getattr(self, f"_inject_{kind}")()
+            self.faults.append(fault)
+            since = time.time()
+        if self.pending_join:  # bring capacity back before the end
+            self._wait(lambda s=since: self.steady(s), self.spec.fault_timeout, "steady training")
+            self.faults.append(self._inject_node_join())
+            since = time.time()
+        self._wait(lambda s=since: self.steady(s), self.spec.fault_timeout, "steady training")
+
+    # ------------------------------------------------------------------ faults that restart the group
+    def _restarting(self, kind: str, node: Node, inject, world_after: int) -> Fault:
+        """Inject, then wait for the first step of a new group of ``world_after`` ranks."""
+        self.steps.refresh()
+        gen0 = self.steps.max_generation()
+        t0 = time.time()
+        fault = Fault(kind, node.index, t0)
+        inject()
+        try:
+            rec = self._wait(lambda: self.first_step(t0, gen0 + 1, world_after), self.spec.fault_timeout,
+                             f"training to resume after {kind}")
+        except TimeoutError as exc:
+            fault.note = str(exc)
+            return fault
+        fault.first_step = rec["t"] - t0
+        restored = [r for r in records.restores(self.out) if r["g"] == rec["g"]]
+        before = [r["s"] for r in self.steps.records if r["g"] < rec["g"]]
+        if restored and before:
+            fault.steps_lost = max(0, max(before) - min(r["s"] for r in restored))
+        self._read_events(fault, node)
+        return fault
+
+    def _pick_worker(self) -> tuple[Node, int]:
+        node = self.rng.choice(self.up_nodes())
+        pids = self._wait(lambda: self.worker_pids(node), 10, f"the workers of node {node.index}")
+        return node, self.rng.choice(sorted(pids))
+
+    def _inject_worker_kill(self) -> Fault:
+        node, pid = self._pick_worker()
+        return self._restarting("worker_kill", node, lambda: os.kill(pid, signal.SIGKILL), self.expected_world())
+
+    def _inject_worker_exit(self) -> Fault:
+        node, pid = self._pick_worker()
+        return self._restarting("worker_exit", node, lambda: os.kill(pid, signal.SIGUSR2), self.expected_world())
+
+    def _inject_worker_hang(self) -> Fault:
+        node, pid = self._pick_worker()
+        return self._restarting("worker_hang", node, lambda: os.kill(pid, signal.SIGSTOP), self.expected_world())
+
+    def _inject_agent_kill(self) -> Fault:
+        node = self.rng.choice(self.removable())
+        self.node_id(node)
+        node.state = "down"
+        self.pending_join = True
+        assert node.proc is not None
+        return self._restarting("agent_kill", node, lambda: os.kill(node.proc.pid, signal.SIGKILL),
+                                self.expected_world())
+
+    def _inject_agent_term(self) -> Fault:
+        node = self.rng.choice(self.removable())
+        self.node_id(node)
+        node.state = "down"
+        self.pending_join = True
+        assert node.proc is not None
+        fault = self._restarting("agent_term", node, lambda: os.kill(node.proc.pid, signal.SIGTERM),
+                                 self.expected_world())
+        try:
+            code = node.proc.wait(30)
+            fault.note += f" agent exit code {code}"
+        except subprocess.TimeoutExpired:
+            fault.note += " agent still running 30 s after SIGTERM"
+        return fault
+
+    def _inject_node_join(self) -> Fault:
+        node = next(n for n in self.nodes if n.state == "down")
+        if node.proc is not None and node.proc.poll() is None:  # a SIGTERMed agent still leaving
+            node.proc.wait(30)
+        self.pending_join = False
+        world = self.expected_world() + self.spec.nproc
+        return self._restarting("node_join", node, lambda: self.start_node(node), world)
+
+    def _inject_partition(self) -> Fault:
+        node = self.rng.choice(self.removable())
+        self.node_id(node)
+        node.state = "cut"
+        fault = self._restarting("partition", node, lambda: self.net.cut(node.index), self.expected_world())
+        healed = time.time()
+        self.net.cut(node.index, up=True)
+        node.state = "up"
+        self.steps.refresh()
+        gen0 = self.steps.max_generation()
+        try:
+            rec = self._wait(lambda: self.first_step(healed, gen0 + 1, self.expected_world()),
+                             self.spec.fault_timeout, "the cut node to rejoin")
+            fault.note += f" rejoined {rec['t'] - healed:.2f}s after the link came back"
+        except TimeoutError as exc:
+            fault.note += f" {exc}"
+            fault.logged = False
+        return fault
+
+    # ------------------------------------------------------------------ faults that must not restart it
+    def _quiet(self, kind: str, node: int, t0: float, resumed_after: float) -> Fault:
+        fault = Fault(kind, node, t0)
+        gen0 = self.steps.max_generation()
+        try:
+            rec = self._wait(lambda: self.first_step(resumed_after, -1, None), self.spec.fault_timeout,
+                             f"training to go on after {kind}")
+            fault.first_step = rec["t"] - resumed_after
+            fault.steps_lost = 0 if rec["g"] == gen0 else None
+        except TimeoutError as exc:
+            fault.note = str(exc)
+        time.sleep(0.5)
+        self._read_events(fault, self.nodes[node])
+        return fault
+
+    def _inject_slow_node(self) -> Fault:
+        node = self.rng.choice(self.up_nodes())
+        assert node.proc is not None
+        tree = [psutil.Process(node.proc.pid)]
+        try:
+            tree += tree[0].children(recursive=True)
+        except psutil.Error:
+            pass
+        t0 = time.time()
+        for p in tree:
+            _signal(p, signal.SIGSTOP)
+        time.sleep(self.spec.slow_seconds)
+        for p in tree:
+            _signal(p, signal.SIGCONT)
+        return self._quiet("slow_node", node.index, t0, time.time())
+
+    def _inject_etcd_kill(self) -> Fault:
+        member = self.rng.randrange(3)
+        t0 = time.time()
+        self.etcd.kill(member)
+        fault = self._quiet("etcd_kill", member, t0, t0)
+        self._wait(lambda: self.steady(time.time() - 1.0, 3), self.spec.fault_timeout, "training without a member")
+        self.etcd.restart(member)
+        fault.note += f" member m{member} restarted"
+        return fault
+
+    # ------------------------------------------------------------------ reading the logs
+    def _read_events(self, fault: Fault, node: Node) -> None:
+        """Find the events that show the fault's detection and recovery; set ``logged``."""
+        evs = [e for e in self.events() if e["ts"] >= fault.t0]
+        nid = self.node_id(node) if node.proc is not None else node.node_id
+
+        def first(pred) -> float | None:
+            ts = [e["ts"] for e in evs if pred(e)]
+            return min(ts) - fault.t0 if ts else None
+
+        others = {"restart", "node_lost", "nodes_waiting"}
+        if fault.kind == "worker_kill":
+            fault.detect = first(lambda e: e["event"] == "worker_failure" and e["node"] == nid
+                                 and e.get("signal") == "SIGKILL")
+        elif fault.kind == "worker_exit":
+            fault.detect = first(lambda e: e["event"] == "worker_failure" and e["node"] == nid
+                                 and e.get("exitcode") == 1)
+        elif fault.kind == "worker_hang":
+            fault.detect = first(lambda e: e["event"] == "hang_detected")
+            target = first(lambda e: e["event"] == "hang_detected" and e["node"] == nid)
+            if target is None:
+                fault.note += " (the hang was caught on a peer's node)"
+        elif fault.kind in ("agent_kill", "partition"):
+            fault.detect = first(lambda e: e["node"] != nid and (
+                (e["event"] == "node_lost" and nid in e.get("lost", []))
+                or (e["event"] == "restart" and nid in e.get("reason", ""))))
+        elif fault.kind in ("agent_term", "node_join"):
+            fault.detect = first(lambda e: e["node"] != nid and e["event"] in others)
+        if fault.kind in QUIET_KINDS:
+            alarms = [e for e in evs if e["event"] in ("worker_failure", "hang_detected", "restart")]
+            fault.logged = not alarms and fault.first_step is not None
+            if alarms:
+                fault.note += f" false alarm: {alarms[0]['event']} on {alarms[0]['node']}"
+            return
+        fault.restart = first(lambda e: e["event"] == "recovered")
+        fault.logged = fault.detect is not None and fault.restart is not None and fault.first_step is not None
+        if fault.kind == "agent_term":
+            left = [e for e in evs if e["node"] == nid and e["event"] == "signal" and e.get("signal") == "SIGTERM"]
+            fault.logged = fault.logged and bool(left)
+        if fault.kind == "node_join":
+            joined = [e for e in evs if e["event"] == "round_closed" and nid in e.get("members", [])]
+            fault.logged = fault.logged and bool(joined)
+
+    # ------------------------------------------------------------------ the end
+    def finish(self) -> list[int | None]:
+        """Let the job finish (remove the hold file) and wait for every agent; their exit codes."""
+        self.hold.unlink()
+        live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+        deadline = time.monotonic() + self.spec.end_timeout
+        for n in live:
+            try:
+                assert n.proc is not None
+                n.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self.track()
+        return [n.proc.poll() for n in live if n.proc is not None]
+
+    def etcd_keys(self, prefix: str) -> list[str]:
+        if self.net is None:
+            return self.etcd.list_keys(prefix)
+        return _netns_keys(self._hub(), self.etcd.endpoint(0), prefix)
+
+
+def _netns_keys(wrap: list[str], endpoint: str, prefix: str) -> list[str]:
+    """Keys under ``prefix`` through etcd's JSON gateway, asked from inside the hub namespace."""
+    import base64
+    import json
+
+    end = bytearray(prefix.encode())
+    end[-1] += 1
+    body = json.dumps({"key": base64.b64encode(prefix.encode()).decode(),
+                       "range_end": base64.b64encode(bytes(end)).decode(), "keys_only": True})
+    out = subprocess.run([*wrap, "curl", "-s", "-m", "3", "-X", "POST", f"http://{endpoint}/v3/kv/range",
+                          "-d", body], capture_output=True, text=True, timeout=10)
+    if out.returncode != 0:
+        raise RuntimeError(f"etcd did not answer from the hub namespace: {out.stderr.strip()}")
+    return [base64.b64decode(kv["key"]).decode() for kv in json.loads(out.stdout).get("kvs", [])]
+
+
+def _listening(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex((host, port)) == 0
+
+
+def _signal(proc: psutil.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except psutil.Error:
+        pass
+
+
+def _kill_if_same(pid: int, created: float) -> None:
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - created) < 0.01:
+            proc.kill()
+    except psutil.Error:
+        pass
+
+
+def run_job(spec: JobSpec, references: dict[tuple, str] | None = None) -> RunResult:
+    """Run one chaos job end to end and check the invariants; everything is cleaned up."""
+    result = RunResult(spec)
+    started = time.monotonic()
+    with ChaosJob(spec) as job:
+        try:
+            job.start()
+            job.run_faults()
+        except (TimeoutError, RuntimeError) as exc:
+            result.checks.append(verify.Check("faults injected", False, str(exc)))
+        result.faults = job.faults
+        result.exit_codes = job.finish()
+        result.duration = time.monotonic() - started
+        failed = [e for e in job.events() if e["event"] == "job_failed"]
+        finished = (job.out / "final.json").exists() and all(c == 0 for c in result.exit_codes)
+        detail = "all agents exited 0, final.json written" if finished else (
+            f"exit codes {result.exit_codes}; " + ("; ".join(e["reason"][:300] for e in failed[:2]) or "no summary"))
+        result.checks.append(verify.Check("job finished", finished, detail))
+        job.steps.refresh()
+        steps = records.committed(job.steps.records)
+        result.steps = len(steps)
+        result.worlds = sorted({r["w"] for recs in steps.values() for r in recs})
+        result.checks.append(verify.samples_once(steps, spec.samples))
+        result.checks.append(verify.complete_steps(steps))
+        full = spec.nodes * spec.nproc
+        reference = None
+        if steps and result.worlds == [full]:
+            epochs = max(r["e"] for recs in steps.values() for r in recs) + 1
+            key = (full, epochs, spec.samples, spec.batch)
+            if references is not None and key in references:
+                reference = references[key]
+            else:
+                reference = reference_sha(full, epochs, spec.samples, spec.batch)
+                if references is not None:
+                    references[key] = reference
+        result.checks.append(verify.final_parameters(job.out, steps, spec.samples, reference))
+        unlogged = [f"{f.kind}@node{f.node}" for f in job.faults if not f.logged]
+        result.checks.append(verify.Check("every fault and recovery in the logs", not unlogged,
+                                          f"not found for {unlogged}" if unlogged
+                                          else f"{len(job.faults)} faults, each detected and recovered"))
+        if spec.backend == "etcd":
+            result.checks.append(verify.no_etcd_keys(job.etcd_keys, f"/elastrun/{job.run_id}/"))
+        job.track()
+        tracked = dict(job.tracked)
+    result.checks.append(verify.no_orphans(tracked))
+    return result
+
+
+def reference_sha(world: int, epochs: int, samples: int, batch: int) -> str:
+    """SHA-256 of the parameters of a failure-free run (one agent, ``world`` workers)."""
+    import json
+
+    work = Path(tempfile.mkdtemp(prefix="elastrun-chaos-ref-"))
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR")
+    argv = [sys.executable, "-m", "elastrun", "--standalone", f"--nproc-per-node={world}", "--start-method=fork",
+            "--preload=torch,elastrun.train", str(TRAINER), "--out", str(work), "--epochs", str(epochs),
+            "--samples", str(samples), "--batch", str(batch)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the failure-free reference run failed:\n{output.decode(errors='replace')[-3000:]}")
+        return json.loads((work / "final.json").read_text())["sha256"]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        shutil.rmtree(work, ignore_errors=True)

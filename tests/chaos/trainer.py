@@ -1,0 +1,139 @@
+"""The training script the chaos harness runs under real elastrun agents (one process per rank).
+
+A small MLP learns a fixed regression task with ``elastrun.train`` (``State``, ``ElasticSampler``,
+``init_distributed``); gradients are averaged by hand with one ``all_reduce`` (what DDP does,
+without its import cost: chaos restarts workers often).  No dropout, so the parameters depend only
+on which samples each committed step used and on the world size of that step.
+
+What it records under ``--out`` (read back by :mod:`tests.chaos.verify`):
+
+* ``steps.<pid>.jsonl``: one line per step, written just *before* ``commit()``:
+  ``{"g": generation, "s": step, "e": epoch, "w": world size, "r": rank, "i": sample ids, "t": time}``.
+  A step whose commit did not survive is run again by a later generation, so for every step the
+  records of the latest generation that ran it are the committed ones.
+* ``restore.<pid>.json``: generation, rank, world size, restored step and source, time.
+* ``final.pt`` and ``final.json`` (rank 0, at the end): the parameters and their SHA-256.
+
+Fault hooks: SIGUSR2 makes the worker ``exit(1)`` at once (the harness's "worker exit" fault).
+
+Length: with ``--hold-file``, training goes on (each step sleeping ``--pace`` s) for as long as
+that file exists, so the harness can inject any number of faults into one job.  Whether it still
+exists travels with the gradient all-reduce (one extra element), so every rank sees the release at
+the same step; the job then finishes the current epoch.  The end epoch is part of the committed
+state (a ``State`` extra), so a restart after the release ends at the same epoch.  Without
+``--hold-file`` the job runs ``--epochs`` epochs (the failure-free reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+import elastrun
+import elastrun.train as et
+
+FEATURES = 8
+
+
+def build(samples: int) -> tuple[torch.utils.data.TensorDataset, torch.nn.Module, torch.optim.Optimizer]:
+    """Dataset (sample id, x, y), model and optimizer: identical in every process and in the replay."""
+    torch.manual_seed(1234)
+    g = torch.Generator().manual_seed(99)
+    xs = torch.randn(samples, FEATURES, generator=g)
+    ys = (xs @ torch.linspace(-1, 1, FEATURES, dtype=torch.float32)).unsqueeze(1) + 0.1 * torch.randn(
+        samples, 1, generator=g
+    )
+    dataset = torch.utils.data.TensorDataset(torch.arange(samples), xs, ys)
+    net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.02, momentum=0.9)
+    return dataset, net, opt
+
+
+def local_step(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """This rank's flat gradient of the mean loss over its slice."""
+    net.zero_grad(set_to_none=False)
+    torch.nn.functional.mse_loss(net(x), y).backward()
+    return torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+
+
+def apply_grad(net: torch.nn.Module, opt: torch.optim.Optimizer, flat: torch.Tensor) -> None:
+    offset = 0
+    for p in net.parameters():
+        n = p.numel()
+        p.grad.copy_(flat[offset : offset + n].view_as(p))
+        offset += n
+    opt.step()
+
+
+def digest(net: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for t in net.state_dict().values():
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _append(fd: int, record: dict) -> None:
+    os.write(fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--ckpt", default=None, help="durable checkpoint directory (pre-emption, whole-job loss)")
+    p.add_argument("--every", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--samples", type=int, default=96)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--pace", type=float, default=0.0)
+    p.add_argument("--hold-file", default=None)
+    p.add_argument("--max-epochs", type=int, default=10000, help="a bound on a held job")
+    a = p.parse_args()
+
+    signal.signal(signal.SIGUSR2, lambda *_: os._exit(1))
+    out = Path(a.out)
+    gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    info = et.init_distributed()
+    rank, world = info.rank, info.world_size
+    dataset, net, opt = build(a.samples)
+    sampler = et.ElasticSampler(dataset, batch_size=a.batch, seed=7)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
+    state = et.State(model=net, optimizer=opt, sampler=sampler, checkpoint_dir=a.ckpt, checkpoint_every=a.every,
+                     end_epoch=None if a.hold_file else a.epochs)
+    source = state.restore()
+    restored = {"g": gen, "r": rank, "w": world, "s": state.step, "src": source, "t": time.time()}
+    (out / f"restore.{os.getpid()}.json").write_text(json.dumps(restored))
+    elastrun.heartbeat()
+    log = os.open(out / f"steps.{os.getpid()}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    while sampler.epoch < (state.end_epoch if state.end_epoch is not None else a.max_epochs):
+        for idx, x, y in loader:
+            grad = local_step(net, x, y)
+            holding = bool(a.hold_file) and os.path.exists(a.hold_file)
+            flat = torch.cat([grad, torch.tensor([1.0 if holding else 0.0])])
+            torch.distributed.all_reduce(flat)
+            held = state.end_epoch is None and flat[-1].item() == world
+            apply_grad(net, opt, flat[:-1] / world)
+            if state.end_epoch is None and not held:
+                state.end_epoch = sampler.epoch + 1
+            record = {"g": gen, "s": state.step + 1, "e": sampler.epoch, "w": world, "r": rank,
+                      "i": idx.tolist(), "t": time.time()}
+            _append(log, record)
+            state.commit()
+            elastrun.heartbeat()  # State.commit() does not send it (yet)
+            if held and a.pace:
+                time.sleep(a.pace)
+    state.flush()
+    if rank == 0:
+        torch.save(net.state_dict(), out / "final.pt")
+        (out / "final.json").write_text(json.dumps({"step": state.step, "g": gen, "sha256": digest(net)}))
+    state.close()
+
+
+if __name__ == "__main__":
+    main()
