@@ -57,24 +57,16 @@ def rendezvous_parameters(config: LaunchConfig) -> RendezvousParameters:
     )
 
 
-def make_starter(config: LaunchConfig):
-    """The worker starter for ``config.start_method`` (the warm pool where it is available and safe)."""
-    try:
-        from elastrun.workers.pool import select_starter
-    except ImportError:
-        select_starter = None
-    if select_starter is not None:
-        return select_starter(config)
-    from elastrun.workers.spawn import ExecStarter
+def make_starter(config: LaunchConfig, base_env: dict[str, str]):
+    """The worker starter for ``config.start_method``: the warm pool, or exec (``spawn``, ``--no-python``)."""
+    from elastrun.workers.pool import select_starter
 
-    return ExecStarter()
+    return select_starter(config, base_env=base_env)
 
 
 def run(config: LaunchConfig) -> int:
     """Run this node's agent for ``config`` until the job ends; returns the process exit code."""
     base_env = dict(os.environ)
-    # The store client logs every wait timeout at WARNING level; the agent waits with timeouts on purpose.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from elastrun.rendezvous.registry import create_handler, validate
 
     params = rendezvous_parameters(config)
@@ -83,8 +75,11 @@ def run(config: LaunchConfig) -> int:
     except RendezvousConfigError as exc:
         print(f"elastrun: error: {exc}", file=sys.stderr)
         return 2
-    starter = make_starter(config)
+    starter = make_starter(config, base_env)
     starter.prepare()
+    # The store client logs every wait timeout at WARNING level; the agent waits with timeouts on
+    # purpose.  Set after the template started, so that workers keep torch's default log level.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
         handler = create_handler(params)
     except RendezvousConfigError as exc:

@@ -409,7 +409,7 @@ class LocalAgent:
                 rank=launch.rank,
                 local_rank=local_rank,
                 pid=handle.pid,
-                start_method=self.starter.name,
+                start_method=getattr(handle, "start_method", self.starter.name),
             )
         if self._fault_at is not None:
             took = time.monotonic() - self._fault_at

@@ -86,14 +86,17 @@ def exit_status_from_wait(status: int) -> ExitStatus:
 
 
 class ChildHandle(WorkerHandle):
-    """A worker that is a direct child of the agent (exec'd), watched through a pidfd."""
+    """A worker the agent reaps itself (exec'd, or forked and re-parented), watched through a pidfd."""
 
-    def __init__(self, launch: WorkerLaunch, proc: subprocess.Popen, streams: StreamSet) -> None:
+    #: How the worker was started, for the event log.
+    start_method = "exec"
+
+    def __init__(self, launch: WorkerLaunch, pid: int, streams: StreamSet, proc: subprocess.Popen | None = None):
         self.launch = launch
-        self.pid = proc.pid
+        self.pid = pid
         self._proc = proc
         self.streams = streams
-        self._pidfd = os.pidfd_open(proc.pid)
+        self._pidfd = os.pidfd_open(pid)
         self._status: ExitStatus | None = None
 
     def poll(self) -> ExitStatus | None:
@@ -105,7 +108,10 @@ class ChildHandle(WorkerHandle):
             if pid == 0:
                 return None
             self._status = exit_status_from_wait(status)
-            self._proc.returncode = self._status.exitcode if self._status.signal is None else -self._status.signal
+            if self._proc is not None:  # keep Popen from reaping (or warning about) it again
+                self._proc.returncode = (
+                    self._status.exitcode if self._status.signal is None else -self._status.signal
+                )
         return self._status
 
     def fileno(self) -> int:
@@ -156,7 +162,7 @@ class ExecStarter(WorkerStarter):
             streams.abandon()
             raise
         streams.start()
-        return ChildHandle(launch, proc, streams)
+        return ChildHandle(launch, proc.pid, streams, proc)
 
 
 def kill_process_tree(pid: int, sig: int = signal.SIGKILL) -> None:

@@ -1,0 +1,327 @@
+"""The warm worker pool: workers forked from a template that has already imported torch.
+
+``import torch`` costs about 2.5 s on two cores and the first DDP model pulls in
+``torch._dynamo`` for 2 to 4 s more; torchrun pays that in every worker, at every restart, all
+workers at once on the same cores.  :class:`PoolStarter` pays it once per agent, in a template
+process (:mod:`elastrun.workers.template`) started by :meth:`PoolStarter.prepare` before the
+rendezvous, and then forks each worker in milliseconds.
+
+How a forked worker stays a normal child of the agent:
+
+- the agent becomes a *child subreaper* (``PR_SET_CHILD_SUBREAPER``) and the template
+  double-forks, so the worker is re-parented to the agent: the agent ``waitpid``s it, watches it
+  through a pidfd and sees its real exit code or signal, as for an exec'd worker;
+- the worker leads its own process group and dies with the agent (``PR_SET_PDEATHSIG``, armed
+  once it is the agent's child); the template dies with the agent too, so a SIGKILLed agent
+  leaves nothing behind;
+- its stdin and the write ends of the same stdout/stderr pipes an exec'd worker would get travel
+  to the template with the launch request (``SCM_RIGHTS``), so log pumps, prefixes, files, tee
+  and rank filters are unchanged.
+
+Where forking is not safe the starter execs instead and says so once: no template (it died or
+failed to start), CUDA initialised or threads started in the template by a ``--preload``
+module, a worker environment that changes what the interpreter or its libraries read at load
+time (``PYTHON*``, ``LD_*``, allocator and BLAS/OpenMP settings other than
+``OMP_NUM_THREADS``), or a launch that is not a Python script or module (``--no-python``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from elastrun.config import LaunchConfig
+from elastrun.workers.api import WorkerHandle, WorkerLaunch, WorkerStarter
+from elastrun.workers.spawn import ChildHandle, ExecStarter, StreamSet
+
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
+#: ``--start-method`` values served by the pool; "spawn" keeps one fresh interpreter per worker.
+POOL_METHODS = ("auto", "fork", "forkserver")
+#: How long a start waits for the template's imports before giving up on the pool.
+READY_TIMEOUT = 300.0
+#: How long a start waits for the template to fork once it is ready.
+FORK_TIMEOUT = 30.0
+#: Variables read when the interpreter or a native library loads: a worker whose value differs
+#: from the template's cannot be forked from it faithfully.
+LOAD_TIME_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_TUNABLES", "OPENBLAS_", "GOTO", "MKL_", "KMP_",
+                      "GOMP_", "OMP_")
+#: Load-time variables the worker applies itself after the fork.
+APPLIED_IN_WORKER = frozenset({"PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE",
+                               "OMP_NUM_THREADS"})
+
+_BOOTSTRAP = (
+    "import sys\n"
+    "sys.path[0] = {root!r}\n"
+    "from elastrun.workers.template import main\n"
+    "main(sys.argv[1:])\n"
+)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(option: int, value: int) -> int:
+    return _libc.prctl(option, value, 0, 0, 0)
+
+
+def child_subreaper() -> bool:
+    """Whether this process adopts its orphaned descendants."""
+    flag = ctypes.c_int(0)
+    _libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0)
+    return bool(flag.value)
+
+
+def set_child_subreaper(on: bool) -> None:
+    """Make this process adopt (or stop adopting) its orphaned descendants."""
+    if _prctl(_PR_SET_CHILD_SUBREAPER, int(on)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(err)}")
+
+
+def template_environment(base: Mapping[str, str], nproc: int) -> dict[str, str]:
+    """The template's environment: the workers' base, with the thread count they will get.
+
+    ``OMP_NUM_THREADS`` is read by OpenMP and OpenBLAS when they load, so the template must load
+    them with the value the workers get (1 when unset and several workers share the node, the
+    rule of :func:`elastrun.workers.env.worker_environment`).  It also keeps OpenBLAS from
+    starting its thread pool in the template.
+    """
+    env = dict(base)
+    if "OMP_NUM_THREADS" not in env and nproc > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def load_time_mismatch(template_env: Mapping[str, str], worker_env: Mapping[str, str]) -> str | None:
+    """The first load-time variable whose value differs between template and worker, or None."""
+    for name in sorted(set(template_env) | set(worker_env)):
+        if name in APPLIED_IN_WORKER or not name.startswith(LOAD_TIME_PREFIXES):
+            continue
+        if template_env.get(name) != worker_env.get(name):
+            return name
+    return None
+
+
+class PoolHandle(ChildHandle):
+    """A forked worker, re-parented to the agent: reaped with ``waitpid``, watched through a pidfd."""
+
+    start_method = "fork-pool"
+
+    def close(self) -> None:
+        super().close()
+        self._reap_adopted()
+
+    def _reap_adopted(self) -> None:
+        """Reap the worker's own children that the agent adopted (same process group) when it died."""
+        for _ in range(1024):
+            try:
+                pid, _status = os.waitpid(-self.pid, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+
+class PoolStarter(WorkerStarter):
+    """Forks workers from a warm template; execs (with a one-line notice) where it cannot."""
+
+    name = "fork-pool"
+
+    def __init__(self, config: LaunchConfig, base_env: Mapping[str, str] | None = None) -> None:
+        self.config = config
+        self.template_env = template_environment(base_env if base_env is not None else os.environ,
+                                                 config.nproc_per_node)
+        self._exec = ExecStarter()
+        self._proc: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+        self._ready = False
+        self._broken: str | None = None
+        self._noticed: set[str] = set()
+        self._was_subreaper: bool | None = None
+        #: Seconds from ``prepare`` until the template reported its imports done (for benchmarks).
+        self.ready_after: float | None = None
+        self._prepared_at = 0.0
+
+    # ------------------------------------------------------------------ life cycle
+    def prepare(self) -> None:
+        """Become a child subreaper and start the template (its imports run in the background)."""
+        if self._proc is not None or self._broken is not None:
+            return
+        try:
+            self._was_subreaper = child_subreaper()
+            set_child_subreaper(True)
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError as exc:
+            self._give_up(f"cannot set up the template ({exc})")
+            return
+        root = str(Path(__file__).resolve().parents[2])
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOTSTRAP.format(root=root), str(os.getpid()), str(theirs.fileno()),
+                 ",".join(self.config.preload)],
+                env=self.template_env,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+                process_group=0,
+            )
+        except OSError as exc:
+            ours.close()
+            self._give_up(f"cannot start the template ({exc})")
+            return
+        finally:
+            theirs.close()
+        self._sock = ours
+        self._prepared_at = time.monotonic()
+
+    def close(self) -> None:
+        """Stop the template and stop adopting orphans (when this starter turned that on)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._proc is not None:
+            try:
+                self._proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+        if self._was_subreaper is False:
+            try:
+                set_child_subreaper(False)
+            except OSError:
+                pass
+            self._was_subreaper = None
+
+    @property
+    def template_pid(self) -> int | None:
+        """PID of the template process, while it runs."""
+        return self._proc.pid if self._proc is not None else None
+
+    # ------------------------------------------------------------------ starting workers
+    def start(self, launch: WorkerLaunch) -> WorkerHandle:
+        reason = self._why_not_fork(launch)
+        if reason is not None:
+            self._notice(reason)
+            return self._exec.start(launch)
+        streams = StreamSet(launch)
+        try:
+            pid = self._request_fork(launch, streams)
+        except OSError as exc:
+            streams.abandon()
+            self._give_up(f"the template failed ({exc})")
+            self._notice(self._broken or "")
+            return self._exec.start(launch)
+        streams.start()
+        return PoolHandle(launch, pid, streams)
+
+    def _why_not_fork(self, launch: WorkerLaunch) -> str | None:
+        if launch.python_target is None:
+            return "--no-python workers are always exec'd"
+        if self._sock is None and self._broken is None:
+            self.prepare()
+        if self._broken is not None:
+            return self._broken
+        if not self._ready:
+            self._await_ready()
+            if self._broken is not None:
+                return self._broken
+        name = load_time_mismatch(self.template_env, launch.env)
+        if name is not None:
+            return f"{name} differs from the template's, which read it at start-up"
+        return None
+
+    def _await_ready(self) -> None:
+        try:
+            reply = self._receive(READY_TIMEOUT)
+        except OSError as exc:
+            self._give_up(f"the template did not start ({exc})")
+            return
+        self.ready_after = time.monotonic() - self._prepared_at
+        self._ready = True
+        if reply.get("failed_preload"):
+            self._notice(f"--preload could not import {'; '.join(reply['failed_preload'])}", broken=False)
+        if reply.get("cuda"):
+            self._give_up("CUDA was initialised in the template by a --preload module")
+
+    def _request_fork(self, launch: WorkerLaunch, streams: StreamSet) -> int:
+        assert self._sock is not None and launch.python_target is not None
+        request = {
+            "env": launch.env,
+            "cwd": launch.cwd,
+            "target": launch.python_target,
+            "module": launch.python_module,
+            "args": launch.python_args,
+            "error_file": str(launch.error_file) if launch.error_file is not None else None,
+        }
+        stdin_fd, own_stdin = _stdin_fd()
+        try:
+            socket.send_fds(self._sock, [json.dumps(request).encode()], [stdin_fd, streams.out_w, streams.err_w])
+        finally:
+            if own_stdin:
+                os.close(stdin_fd)
+        reply = self._receive(FORK_TIMEOUT)
+        if "pid" not in reply:
+            raise OSError(reply.get("error", f"unexpected reply {reply!r}"))
+        return int(reply["pid"])
+
+    def _receive(self, timeout: float) -> dict:
+        assert self._sock is not None
+        ready, _, _ = select.select([self._sock], [], [], timeout)
+        if not ready:
+            raise OSError(f"no answer from the template within {timeout:g} s")
+        data = self._sock.recv(1 << 16)
+        if not data:
+            code = self._proc.poll() if self._proc is not None else None
+            raise OSError("the template exited" + (f" with code {code}" if code is not None else ""))
+        return json.loads(data)
+
+    # ------------------------------------------------------------------ fallbacks
+    def _give_up(self, reason: str) -> None:
+        """Stop using the template for good (every later worker is exec'd)."""
+        if self._broken is None:
+            self._broken = reason
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.send_signal(signal.SIGKILL)
+            self._proc.wait()
+            self._proc = None
+
+    def _notice(self, reason: str, broken: bool = True) -> None:
+        if reason in self._noticed:
+            return
+        self._noticed.add(reason)
+        suffix = "; starting workers with exec" if broken else ""
+        print(f"elastrun: warm pool: {reason}{suffix}", file=sys.stderr, flush=True)
+
+
+def _stdin_fd() -> tuple[int, bool]:
+    """The agent's stdin for the worker (what an exec'd worker inherits), or /dev/null if closed."""
+    try:
+        os.fstat(0)
+        return 0, False
+    except OSError:
+        return os.open(os.devnull, os.O_RDONLY), True
+
+
+def select_starter(config: LaunchConfig, base_env: Mapping[str, str] | None = None) -> WorkerStarter:
+    """The starter for ``config``: the warm pool unless ``--start-method spawn`` or ``--no-python``.
+
+    ``base_env`` is the environment the workers are built from (default: ``os.environ``).
+    """
+    if config.no_python or config.start_method not in POOL_METHODS:
+        return ExecStarter()
+    if not sys.platform.startswith("linux"):
+        return ExecStarter()
+    return PoolStarter(config, base_env)
