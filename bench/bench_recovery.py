@@ -9,6 +9,8 @@
   (N-1)-rank world has stepped.
 - node join: one agent with ``--nnodes=1:2`` steps alone; a second agent starts; until every
   rank of the 2-rank world has stepped.
+- lone node: one agent of a ``--nnodes=1:2`` job, each launcher with its *default* last call
+  (torchrun 30 s, elastrun 1 s); from the launch until its rank has stepped.
 
 Both launchers get ``--rdzv-conf=is_host=...,last_call_timeout=1``: the host is the first agent
 and the last call is elastrun's default (torchrun's is 30 s and would add ~29 s to its figures).
@@ -149,6 +151,21 @@ def node_join(which: str) -> float | None:
         trial.close()
 
 
+def lone_node(which: str) -> float | None:
+    trial = Trial(f"lone-{which}", env={"STEPS": "100000", "STEP_SECONDS": "0.05"})
+    flags = ["--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+             "--rdzv-id=bench"]
+    try:
+        launched = time.time()
+        trial.start(launcher_argv(which, flags))
+        first = wait_for(lambda: trial.all_ranks_stepped(1), 120)
+        if first is None:
+            log(f"lone node {which}: no step within 120 s\n{trial.output()[-1500:]}")
+        return None if first is None else first - launched
+    finally:
+        trial.close()
+
+
 def run(repeat: int) -> tuple[list[Row], list[str]]:
     rows: list[Row] = []
     notes: list[str] = []
@@ -182,4 +199,12 @@ def run(repeat: int) -> tuple[list[Row], list[str]]:
             join[which].append(took)
     rows.append(Row("node join → first step at the new world size", join["torchrun"], join["elastrun"],
                     note=f"— = no step within {CAP:g} s"))
+    lone: dict[str, list] = {w: [] for w in LAUNCHERS}
+    for i in range(repeat):
+        for which in LAUNCHERS:
+            took = lone_node(which)
+            log(f"lone node {which} #{i}: {took}")
+            lone[which].append(took)
+    rows.append(Row("lone node of a 1:2 job: launch → first step (default last call)", lone["torchrun"],
+                    lone["elastrun"]))
     return rows, notes
