@@ -124,8 +124,7 @@ def main() -> None:
             record = {"g": gen, "s": state.step + 1, "e": sampler.epoch, "w": world, "r": rank,
                       "i": idx.tolist(), "t": time.time()}
             _append(log, record)
-            state.commit()
-            elastrun.heartbeat()  # State.commit() does not send it (yet)
+            state.commit()  # also the progress heartbeat for the agent's hang detection
             if held and a.pace:
                 time.sleep(a.pace)
     state.flush()
