@@ -177,3 +177,18 @@ def test_sigterm_during_outage_is_not_a_hang(tmp_path, agents):
         cluster.kill(0)
         agents[0].send_signal(signal.SIGTERM)
         assert agents[0].wait(60) == 128 + signal.SIGTERM
+
+
+def test_crash_loop_stops_the_job_with_do_not_requeue(tmp_path, agents):
+    """The crash-loop verdict works on etcd too: exit 3 long before the budget, and no keys left."""
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    with EtcdCluster(1) as cluster:
+        agents.append(start_agent(cluster.endpoints, "loop", steps, tmp_path / "a0.log", nnodes="1:2",
+                                  max_restarts=10,
+                                  extra_env={"CRASH_AT_STEP": "0", "CRASH_RANK": "0", "PET_CRASH_LOOP_LIMIT": "2"}))
+        assert agents[0].wait(120) == 3, _log(tmp_path, "a0.log")
+        out = _log(tmp_path, "a0.log")
+        assert "crash loop (2 failed attempts in a row without progress" in out
+        assert "RuntimeError: injected failure at step 0" in out
+        assert cluster.list_keys() == []
