@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+from elastrun.observe.status_doc import status_document
 from elastrun.rendezvous.api import RendezvousConnectionError, RendezvousError, RendezvousParameters
 from elastrun.rendezvous.c10d import split_endpoint
 
@@ -85,54 +86,16 @@ def read_store_status(store: Any, run_id: str, endpoint: str = "", backend: str 
     now = time.time()
     open_round = r.number(r.key("current"))
     finished = r.exists(r.key("finished"))
-    aborted = r.text(r.key("abort"))
-    doc: dict[str, Any] = {
-        "run_id": run_id,
-        "backend": backend,
-        "endpoint": endpoint,
-        "read_at": round(now, 3),
-        "state": "forming",
-        "round": None,
-        "generation": None,
-        "closed_at": None,
-        "open_round": open_round,
-        "agents": r.number(r.key("agents")),
-        "world_size": 0,
-        "restarts_used": r.number(r.key("restarts_used")),
-        "max_restarts": None,
-        "restarts_left": None,
-        "finished": finished,
-        "aborted": aborted,
-        "nodes": [],
-        "waiting": [],
-    }
     closed = _latest_result(r, open_round)
-    if closed is not None:
-        round_, result = closed
-        doc.update(round=round_, generation=result.get("generation"), closed_at=result.get("closed_at"))
-        doc["max_restarts"] = result.get("max_restarts")
-        doc["restarts_used"] = max(doc["restarts_used"], int(result.get("restarts_used") or 0))
-        doc["nodes"] = _members(r, round_, result["members"], now, finished)
-        doc["world_size"] = sum(int(m.get("nproc", 0)) for m in result["members"])
-    if doc["max_restarts"] is not None:
-        doc["restarts_left"] = max(0, int(doc["max_restarts"]) - int(doc["restarts_used"]))
+    nodes = [] if closed is None else _members(r, closed[0], closed[1]["members"], now, finished)
     joined = r.number(r.key(f"r{open_round}", "joined"))
     infos = r.texts([r.key(f"r{open_round}", "node", i) for i in range(1, joined + 1)])
-    for raw in infos:
-        if raw:
-            info = json.loads(raw)
-            doc["waiting"].append(
-                {k: info.get(k) for k in ("node_id", "hostname", "addr", "nproc", "role", "pid")}
-            )
-    if aborted:
-        doc["state"] = "failed"
-    elif finished:
-        doc["state"] = "finished"
-    elif closed is not None and not doc["waiting"] and all(n["state"] == "alive" for n in doc["nodes"]):
-        doc["state"] = "running"
-    elif closed is not None:
-        doc["state"] = "restarting" if doc["waiting"] else "degraded"
-    return doc
+    return status_document(
+        run_id=run_id, backend=backend, endpoint=endpoint, read_at=now, open_round=open_round,
+        agents=r.number(r.key("agents")), restarts_used=r.number(r.key("restarts_used")), finished=finished,
+        aborted=r.text(r.key("abort")), closed=closed, nodes=nodes,
+        waiting=[json.loads(raw) for raw in infos if raw],
+    )
 
 
 def _latest_result(r: _Reader, open_round: int) -> tuple[int, dict[str, Any]] | None:

@@ -27,10 +27,10 @@ import threading
 import time
 from typing import Any
 
+from elastrun.observe.status_doc import status_document
 from elastrun.rendezvous.api import RendezvousConnectionError, RendezvousError, RendezvousParameters
 
 #: What the document shows of a node waiting in the open round (from its NodeInfo).
-_WAITING_FIELDS = ("node_id", "hostname", "addr", "nproc", "role", "pid")
 
 _clients: dict[tuple, Any] = {}
 _clients_lock = threading.Lock()
@@ -127,51 +127,18 @@ def read_etcd_status(client: Any, run_id: str, endpoint: str = "", backend: str 
     current = job.get("current")
     open_round = int(current.value) if current is not None and current.value else 0
     finished = "finished" in job
-    aborted = job["abort"].value.decode() if "abort" in job else None
-    doc: dict[str, Any] = {
-        "run_id": run_id,
-        "backend": backend,
-        "endpoint": endpoint,
-        "read_at": round(now, 3),
-        "state": "forming",
-        "round": None,
-        "generation": None,
-        "closed_at": None,
-        "open_round": open_round,
-        "agents": sum(1 for k in keys if k.startswith("agents/")),
-        "world_size": 0,
-        "restarts_used": 0,
-        "max_restarts": None,
-        "restarts_left": None,
-        "finished": finished,
-        "aborted": aborted,
-        "nodes": [],
-        "waiting": [],
-        "incarnation": incarnation,
-        "revision": revision,
-    }
     closed = _latest_result(job, open_round)
-    if closed is not None:
-        round_, result = closed
-        doc.update(round=round_, generation=result.get("generation"), closed_at=result.get("closed_at"),
-                   max_restarts=result.get("max_restarts"), restarts_used=int(result.get("restarts_used") or 0))
-        doc["world_size"] = sum(int(m.get("nproc", 0)) for m in result["members"])
-        doc["nodes"] = _members(client, job, round_, result["members"], finished, time.monotonic() + lease_budget)
-    if doc["max_restarts"] is not None:
-        doc["restarts_left"] = max(0, int(doc["max_restarts"]) - int(doc["restarts_used"]))
+    nodes = [] if closed is None else _members(client, job, closed[0], closed[1]["members"], finished,
+                                               time.monotonic() + lease_budget)
     join_prefix = f"r{open_round}/join/"
     joiners = sorted((kv for k, kv in job.items() if k.startswith(join_prefix)), key=lambda kv: kv.create_revision)
-    for kv in joiners:
-        info = json.loads(kv.value)
-        doc["waiting"].append({k: info.get(k) for k in _WAITING_FIELDS})
-    if aborted:
-        doc["state"] = "failed"
-    elif finished:
-        doc["state"] = "finished"
-    elif closed is not None and not doc["waiting"] and all(n["state"] == "alive" for n in doc["nodes"]):
-        doc["state"] = "running"
-    elif closed is not None:
-        doc["state"] = "restarting" if doc["waiting"] else "degraded"
+    doc = status_document(
+        run_id=run_id, backend=backend, endpoint=endpoint, read_at=now, open_round=open_round,
+        agents=sum(1 for k in keys if k.startswith("agents/")), restarts_used=0, finished=finished,
+        aborted=job["abort"].value.decode() if "abort" in job else None, closed=closed, nodes=nodes,
+        waiting=[json.loads(kv.value) for kv in joiners],
+    )
+    doc.update(incarnation=incarnation, revision=revision)
     return doc
 
 
