@@ -39,7 +39,7 @@ from elastrun.rendezvous.api import (
     RoundResult,
 )
 from elastrun.rendezvous.keepalive import Heartbeat, RingWatch
-from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, judge_round_end
+from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, judge_round_end, member_view
 
 #: ``--rdzv-conf`` keys of the store backends, with defaults (seconds unless noted).
 CONFIG_DEFAULTS: dict[str, Any] = {
@@ -520,23 +520,7 @@ class StoreRendezvousHandler(RendezvousHandler):
                 return None
         store_addr, _, store_port = self._get(store_key).decode().rpartition(":")
         ordered = sorted(members, key=lambda m: m.group_rank)
-        role_members = [m for m in members if m.role == me.role]
-        result = RoundResult(
-            round=round_,
-            generation=doc["generation"],
-            group_rank=me.group_rank,
-            group_world_size=len(members),
-            rank_offset=me.rank_offset,
-            world_size=sum(m.nproc for m in members),
-            role_rank_offset=me.role_rank_offset,
-            role_world_size=sum(m.nproc for m in role_members),
-            store_addr=store_addr,
-            store_port=int(store_port),
-            members=members,
-            restarts_used=doc["restarts_used"],
-            max_restarts=doc["max_restarts"],
-            lost_nodes=doc.get("lost", []),
-        )
+        result = member_view(round_, doc, members, me, store_addr, int(store_port))
         with self._lock:
             self._round = round_
             self._result = result

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastrun.rendezvous.api import FailureRecord, Member, NodeInfo
+from elastrun.rendezvous.api import FailureRecord, Member, NodeInfo, RoundResult
 
 
 @dataclass
@@ -90,6 +90,28 @@ def assign_ranks(nodes: list[NodeInfo]) -> list[Member]:
         offset += node.nproc
         role_offsets[node.role] = role_offsets.get(node.role, 0) + node.nproc
     return members
+
+
+def member_view(round_: int, doc: dict, members: list[Member], me: Member, store_addr: str,
+                store_port: int) -> RoundResult:
+    """One member's :class:`RoundResult` of a closed round, from the round's result document."""
+    role_members = [m for m in members if m.role == me.role]
+    return RoundResult(
+        round=round_,
+        generation=doc["generation"],
+        group_rank=me.group_rank,
+        group_world_size=len(members),
+        rank_offset=me.rank_offset,
+        world_size=sum(m.nproc for m in members),
+        role_rank_offset=me.role_rank_offset,
+        role_world_size=sum(m.nproc for m in role_members),
+        store_addr=store_addr,
+        store_port=int(store_port),
+        members=members,
+        restarts_used=min(int(doc["restarts_used"]), int(doc["max_restarts"])),
+        max_restarts=int(doc["max_restarts"]),
+        lost_nodes=list(doc.get("lost", [])),
+    )
 
 
 def is_charged(failures: int, nodes_gone: int) -> bool:

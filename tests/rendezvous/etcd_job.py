@@ -7,8 +7,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from tests.harness import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS_SCRIPT = REPO / "tests" / "scripts" / "steps.py"
@@ -45,13 +46,7 @@ def read_steps(steps_dir: Path) -> list[dict]:
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
     """Poll ``predicate`` until it returns a truthy value (bounded); AssertionError naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    return wait_until(predicate, timeout, interval=interval, what=what)
 
 
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:

@@ -11,9 +11,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
+
+from tests.harness import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINER = Path(__file__).with_name("trainer.py")
@@ -85,11 +86,7 @@ def kill_group(p: subprocess.Popen) -> None:
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.1)
+    wait_until(predicate, timeout, what=what)
 
 
 def restores(out: Path) -> dict[tuple[int, int], dict]:

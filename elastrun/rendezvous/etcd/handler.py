@@ -68,7 +68,7 @@ from elastrun.rendezvous.etcd.client import (
     op_put,
     prefix_end,
 )
-from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, judge_round_end
+from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, judge_round_end, member_view
 
 #: A waiting node re-reads the state at least this often even without a watch event (safety net).
 _RECHECK = 2.0
@@ -456,16 +456,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._watch.wait(cursor, min(1.0, max(0.0, deadline - time.monotonic())))
             cursor = self._watch.seq
         store_addr, _, store_port = found.value.decode().rpartition(":")
-        role = [m for m in members if m.role == me.role]
-        result = RoundResult(
-            round=round_, generation=doc["generation"], group_rank=me.group_rank,
-            group_world_size=len(members), rank_offset=me.rank_offset, world_size=sum(m.nproc for m in members),
-            role_rank_offset=me.role_rank_offset, role_world_size=sum(m.nproc for m in role),
-            store_addr=store_addr, store_port=int(store_port), members=members,
-            restarts_used=min(int(doc["restarts_used"]), int(doc["max_restarts"])),
-            max_restarts=int(doc["max_restarts"]),
-            lost_nodes=list(doc.get("lost", [])),
-        )
+        result = member_view(round_, doc, members, me, store_addr, int(store_port))
         self._round, self._result = round_, result
         self._members = {m.node_id for m in members}
         self._poll_seq = cursor
