@@ -128,7 +128,7 @@ def test_etcd_status_of_a_missing_job_or_unreachable_etcd_is_one_line_and_exit_1
     started = time.monotonic()
     with pytest.raises(RendezvousConnectionError, match="cannot reach etcd"):
         _read(dead, "nope")
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 15  # a clear error, not a hang
 
     # etcd answers but holds no such job: one line naming the run id.
     with EtcdCluster(1) as etcd:
