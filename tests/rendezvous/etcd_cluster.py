@@ -6,6 +6,9 @@ Used by tests/rendezvous/test_etcd*.py, tests/netns/ and bench/bench_rendezvous_
     with EtcdCluster(3) as cluster:
         cluster.endpoints           # "127.0.0.1:p1,127.0.0.1:p2,127.0.0.1:p3"
         cluster.kill(0); cluster.restart(0)
+
+With ``tls=EtcdTLS(...)`` the members serve clients over HTTPS only and require a client
+certificate signed by the given CA; health is then read from a plain-HTTP metrics listener.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 ETCD_BINARY = shutil.which("etcd") or "/usr/bin/etcd"
@@ -34,11 +38,51 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class EtcdTLS:
+    """PEM files of a test CA, the server's certificate for 127.0.0.1 and a client certificate,
+    all signed by that CA (``trustme``); the server requires client certificates from it."""
+
+    ca: Path
+    cert: Path
+    key: Path
+    client_cert: Path
+    client_key: Path
+
+    @classmethod
+    def generate(cls, directory: Path) -> EtcdTLS:
+        import trustme
+
+        ca = trustme.CA()
+        server = ca.issue_cert("127.0.0.1", "localhost")
+        client = ca.issue_cert("elastrun-agent@example.org")
+        files = cls(*(directory / f"{n}.pem" for n in ("ca", "server", "server-key", "client", "client-key")))
+        ca.cert_pem.write_to_path(str(files.ca))
+        server.cert_chain_pems[0].write_to_path(str(files.cert))
+        server.private_key_pem.write_to_path(str(files.key))
+        client.cert_chain_pems[0].write_to_path(str(files.client_cert))
+        client.private_key_pem.write_to_path(str(files.client_key))
+        return files
+
+    def rdzv_conf(self) -> str:
+        """The ``--rdzv-conf`` keys with which an agent talks to this server."""
+        return f"ca_cert={self.ca},client_cert={self.client_cert},client_key={self.client_key}"
+
+    def ssl_context(self):
+        import ssl
+
+        context = ssl.create_default_context(cafile=str(self.ca))
+        context.load_cert_chain(str(self.client_cert), str(self.client_key))
+        return context
+
+
 class EtcdCluster:
     """``size`` etcd members on ``host``; ``wrap`` prefixes each command (e.g. ``ip netns exec NS``)."""
 
     def __init__(self, size: int = 1, host: str = "127.0.0.1", wrap: list[str] | None = None,
-                 ports: list[tuple[int, int]] | None = None) -> None:
+                 ports: list[tuple[int, int]] | None = None, tls: EtcdTLS | None = None) -> None:
+        self.tls = tls
+        self.metrics_ports = [free_port() for _ in range(size)] if tls else []
         self.size = size
         self.host = host
         self.wrap = list(wrap or [])
@@ -57,10 +101,16 @@ class EtcdCluster:
     def _command(self, i: int) -> list[str]:
         client, peer = self.ports[i]
         cluster = ",".join(f"{n}=http://{self.host}:{p}" for n, (_, p) in zip(self.names, self.ports, strict=True))
+        scheme = "https" if self.tls else "http"
+        tls: list[str] = []
+        if self.tls:
+            tls = ["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key),
+                   "--trusted-ca-file", str(self.tls.ca), "--client-cert-auth",
+                   "--listen-metrics-urls", f"http://{self.host}:{self.metrics_ports[i]}"]
         return [
             *self.wrap, ETCD_BINARY, "--name", self.names[i], "--data-dir", str(self.dir / self.names[i]),
-            "--listen-client-urls", f"http://{self.host}:{client}",
-            "--advertise-client-urls", f"http://{self.host}:{client}",
+            "--listen-client-urls", f"{scheme}://{self.host}:{client}",
+            "--advertise-client-urls", f"{scheme}://{self.host}:{client}", *tls,
             "--listen-peer-urls", f"http://{self.host}:{peer}",
             "--initial-advertise-peer-urls", f"http://{self.host}:{peer}",
             "--initial-cluster", cluster, "--initial-cluster-state", "new",
@@ -88,12 +138,14 @@ class EtcdCluster:
         self.procs[i] = None
 
     def healthy(self, i: int) -> bool:
+        url = f"http://{self.endpoint(i)}/health"
+        if self.tls:  # the client port wants a certificate; the metrics listener is plain HTTP
+            url = f"http://{self.host}:{self.metrics_ports[i]}/health"
         if self.wrap:  # not reachable from here: ask from inside the namespace
-            url = f"http://{self.endpoint(i)}/health"
             out = subprocess.run([*self.wrap, "curl", "-s", "-m", "1", url], capture_output=True, text=True)
             return '"true"' in out.stdout
         try:
-            with urllib.request.urlopen(f"http://{self.endpoint(i)}/health", timeout=1) as reply:
+            with urllib.request.urlopen(url, timeout=1) as reply:
                 return json.loads(reply.read()).get("health") == "true"
         except (OSError, ValueError):
             return False
@@ -125,8 +177,10 @@ class EtcdCluster:
             if self.procs[i] is None:
                 continue
             try:
-                request = urllib.request.Request(f"http://{self.endpoint(i)}/v3/kv/range", data=body)
-                with urllib.request.urlopen(request, timeout=3) as reply:
+                scheme = "https" if self.tls else "http"
+                request = urllib.request.Request(f"{scheme}://{self.endpoint(i)}/v3/kv/range", data=body)
+                context = self.tls.ssl_context() if self.tls else None
+                with urllib.request.urlopen(request, timeout=3, context=context) as reply:
                     doc = json.loads(reply.read())
                 return [base64.b64decode(kv["key"]).decode() for kv in doc.get("kvs", [])]
             except OSError:

@@ -134,6 +134,9 @@ class EtcdClient:
             )
             for host, port in settings.endpoints
         ]
+        if settings.ca_cert is not None:
+            for c in self._clients:
+                c.session.trust_env = False  # else REQUESTS_CA_BUNDLE silently replaces ca_cert (requests#3829)
         self._authed: set[int] = set()
         self.revision = 0
 
@@ -179,6 +182,11 @@ class EtcdClient:
                         raise EtcdTLSError(
                             f"TLS with etcd at {host}:{port} failed: {text[:300]}; check --rdzv-conf "
                             "ca_cert, client_cert, client_key and protocol"
+                        ) from None
+                    if self.settings.protocol == "http" and "closed connection" in text and speaks_tls(host, port):
+                        raise EtcdTLSError(
+                            f"etcd at {host}:{port} speaks TLS (it closed a plain HTTP request); use --rdzv-conf "
+                            "protocol=https with ca_cert (and client_cert, client_key if it requires them)"
                         ) from None
                     errors.append(f"{host}:{port}: {text[:200]}")
                     break
@@ -285,11 +293,31 @@ class EtcdClient:
         session = requests.Session()
         session.verify = source.verify
         session.cert = source.cert
+        session.trust_env = source.trust_env
         session.headers.update(source.headers)
         return session
 
     def url(self, index: int, path: str) -> str:
         return self._clients[index].get_url(path)
+
+
+def speaks_tls(host: str, port: int, timeout: float = 1.0) -> bool:
+    """Whether ``host:port`` answers a TLS handshake: tells a plain-HTTP client's "connection closed"
+    from an HTTPS-only etcd apart from a member that is merely restarting."""
+    import socket
+    import ssl
+
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            with context.wrap_socket(sock, server_hostname=host):
+                return True
+    except ssl.SSLError as exc:
+        return "alert" in str(exc).lower()  # a TLS server that refused us (e.g. no client certificate)
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------- txn building blocks
