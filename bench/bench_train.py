@@ -3,11 +3,14 @@
 Measures, for MLPs of about 10M and 100M parameters trained with SGD + momentum:
 
 * the step time without elastrun.train, the step time with ``state.commit()`` after every step
-  (memory snapshot every step), and the time ``commit()`` itself blocks the training thread;
+  (memory snapshot every ``k`` commits, ``--snapshot-every 1,4``), and the time ``commit()``
+  itself blocks the training thread; means over whole multiples of ``k`` steps, since only one
+  step in ``k`` pays for a copy;
 * for the 100M model, ``state.restore()`` from the node's memory, from a peer (two processes,
   one of them with an empty snapshot directory, over gloo) and from disk.
 
-Usage: ``python bench/bench_train.py [--sizes 10,100] [--steps 6]``.  Prints a table.
+Usage: ``python bench/bench_train.py [--sizes 10,100] [--snapshot-every 1,4] [--steps 8]``.
+Prints a table.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def step(model, opt, x) -> None:
     opt.step()
 
 
-def bench_commit(million: int, steps: int, work: Path) -> dict:
+def bench_commit(million: int, steps: int, work: Path, snapshot_every: int = 1) -> dict:
     model = make_model(million)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
@@ -67,9 +70,10 @@ def bench_commit(million: int, steps: int, work: Path) -> dict:
         base.append(time.perf_counter() - t)
     state = et.State(
         model=model, optimizer=opt, checkpoint_dir=work / f"ck{million}", snapshot_dir=work / f"shm{million}",
-        handle_signals=False,
+        handle_signals=False, snapshot_every=snapshot_every,
     )  # fmt: skip
-    for _ in range(5):  # first copies allocate the slots' pages
+    steps = -(-steps // snapshot_every) * snapshot_every
+    for _ in range(4 * snapshot_every + 1):  # first copies allocate the slots' pages
         step(model, opt, x)
         state.commit()
     with_commit, commit_only = [], []
@@ -86,13 +90,14 @@ def bench_commit(million: int, steps: int, work: Path) -> dict:
     state.checkpoint()
     ckpt_s = time.perf_counter() - t
     state.close()
-    b, w = statistics.median(base), statistics.median(with_commit)
+    b, w = statistics.mean(base), statistics.mean(with_commit)
     return {
+        "snapshot_every": snapshot_every,
         "params": params,
         "state_mb": (params * 2 * 4) / 2**20,
         "step": b,
         "step_commit": w,
-        "commit_call": statistics.median(commit_only),
+        "commit_call": statistics.mean(commit_only),
         "overhead": (w - b) / b,
         "checkpoint": ckpt_s,
     }
@@ -142,7 +147,8 @@ def bench_peer(million: int, work: Path) -> tuple[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", default="10,100", help="model sizes in millions of parameters")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--snapshot-every", default="1,4", help="values of State(snapshot_every=...) to compare")
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--peer-worker", nargs=3, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.peer_worker:
@@ -152,18 +158,23 @@ def main() -> None:
     disk = Path(tempfile.mkdtemp(prefix="elastrun-bench-ckpt-"))
     try:
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
-        print("| model | state (params+momentum) | step | step + commit | commit() call | overhead | checkpoint |")
-        print("|---|---|---|---|---|---|---|")
+        print(
+            "| model | state (params+momentum) | snapshot every | step | step + commit | commit() call | overhead "
+            "| checkpoint |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
         sizes = [int(s) for s in a.sizes.split(",")]
         for m in sizes:
-            r = bench_commit(m, a.steps, work)
-            shutil.move(str(work / f"ck{m}"), str(disk / f"ck{m}"))
-            print(
-                f"| {r['params'] / 1e6:.1f}M | {r['state_mb']:.0f} MiB | {r['step'] * 1e3:.0f} ms | "
-                f"{r['step_commit'] * 1e3:.0f} ms | {r['commit_call'] * 1e3:.1f} ms | {r['overhead'] * 100:+.1f} % | "
-                f"{r['checkpoint']:.2f} s |",
-                flush=True,
-            )
+            for k in [int(v) for v in a.snapshot_every.split(",")]:
+                r = bench_commit(m, a.steps, work, k)
+                shutil.rmtree(disk / f"ck{m}", ignore_errors=True)
+                shutil.move(str(work / f"ck{m}"), str(disk / f"ck{m}"))
+                print(
+                    f"| {r['params'] / 1e6:.1f}M | {r['state_mb']:.0f} MiB | {k} | {r['step'] * 1e3:.0f} ms | "
+                    f"{r['step_commit'] * 1e3:.0f} ms | {r['commit_call'] * 1e3:.1f} ms | "
+                    f"{r['overhead'] * 100:+.1f} % | {r['checkpoint']:.2f} s |",
+                    flush=True,
+                )
         m = max(sizes)
         print(f"\nrestore of the {m}M model:\n| source | time |\n|---|---|")
         src, t = restore_once(m, work / f"shm{m}", disk / f"ck{m}")

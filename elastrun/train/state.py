@@ -1,12 +1,13 @@
 """State: commit a training step to memory every step, to disk every N steps, restore after a crash.
 
 ``commit()`` on the training thread advances the sampler, captures this rank's RNG states (a few
-kB written to the node's snapshot directory) and, on local rank 0, starts copying the replicated
-state (model parameters and buffers, optimizer state, sampler position, extras) into a memory
-snapshot slot on a helper thread.  Parameters and optimizer state only change inside
-``optimizer.step()``, so the copy overlaps the next step's forward and backward; a pre-hook on the
-optimizer waits for the copy before the parameters change.  Every other tensor (buffers such as
-BatchNorm statistics, extras) is cloned on the training thread because forward may change it.
+kB written to the node's snapshot directory) and, on local rank 0 (every ``snapshot_every``
+commits), starts copying the replicated state (model parameters and buffers, optimizer state,
+sampler position, extras) into a memory snapshot slot on a helper thread.  Parameters and
+optimizer state only change inside ``optimizer.step()``, so the copy overlaps the next step's
+forward and backward; a pre-hook on the optimizer waits for the copy before the parameters change.
+Every other tensor (buffers such as BatchNorm statistics, extras) is cloned on the training thread
+because forward may change it.
 
 Every ``checkpoint_every`` commits the slot is also written to ``checkpoint_dir`` by rank 0 on a
 second helper thread while every rank writes its RNG file there (see ``checkpoint.py``).
@@ -74,8 +75,11 @@ class State:
     picklable values, readable and writable as attributes (``state.best_loss = 0.1``).  Model,
     optimizer, sampler and extras must be the same on every rank (data parallelism); RNG states
     are saved per rank.  ``checkpoint_every`` commits (0: never) a durable checkpoint goes to
-    ``checkpoint_dir``, keeping the newest ``keep``.  ``snapshot_dir`` overrides the node-local
-    memory directory (default: ``ELASTRUN_SNAPSHOT_DIR`` from the elastrun agent).
+    ``checkpoint_dir``, keeping the newest ``keep``.  ``snapshot_every`` (default 1) copies the
+    replicated state to node memory every that many commits only: 1/k of the copy's cost, but a
+    crash may then redo up to k-1 steps (checkpoint steps and pre-emption are always snapshotted).
+    ``snapshot_dir`` overrides the node-local memory directory (default: ``ELASTRUN_SNAPSHOT_DIR``
+    from the elastrun agent).
     ``async_snapshot=False`` copies on the training thread (for code that changes parameters
     outside ``optimizer.step()``).  ``handle_signals`` installs the SIGTERM pre-emption handler.
     """
@@ -88,6 +92,7 @@ class State:
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int = 0,
         keep: int = 3,
+        snapshot_every: int = 1,
         snapshot_dir: str | Path | None = None,
         async_snapshot: bool = True,
         handle_signals: bool = True,
@@ -98,6 +103,8 @@ class State:
             raise ValueError(f"State extras cannot be named {sorted(bad)}: those are State's own attributes")
         if checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+        if snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be >= 1 (1: every commit), got {snapshot_every}")
         if checkpoint_every and checkpoint_dir is None:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
         if sampler is not None and not hasattr(sampler, "advance"):
@@ -112,6 +119,7 @@ class State:
             raise RuntimeError("elastrun.train expects global rank 0 to be local rank 0 of its node")
         self._writes_shared = self._local_rank == 0
         self._every = checkpoint_every
+        self._snapshot_every = snapshot_every
         self._ckpt = CheckpointDir(checkpoint_dir, keep) if checkpoint_dir is not None else None
         snap_dir, self._owns_snap_dir = _snapshot_dir(snapshot_dir)
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
@@ -208,18 +216,8 @@ class State:
         if self._writes_shared and self.step % 100 == 0:
             self._mem.prune_rng(self.step - 2 * RNG_KEEP)
         durable = self._ckpt is not None and (stop or (self._every > 0 and self.step % self._every == 0))
-        if self._writes_shared:
-            flat = flatten(self._tree())
-            stable = self._stable_ptrs() if self._async else set()
-            for i, t in enumerate(flat.tensors):
-                if t.numel() and not (t.data_ptr() in stable and t.is_contiguous()):
-                    flat.tensors[i] = t.clone()  # forward may change it before the copy runs
-            header = make_header(flat, step=self.step, world_size=self._world_size)
-            job = self._snapshot_job(flat, header, durable and self._rank == 0, stop)
-            if self._async:
-                self._writer.submit(job)
-            else:
-                job()
+        if self._writes_shared and (durable or self.step % self._snapshot_every == 0):
+            self._snapshot(durable and self._rank == 0, stop, self._async)
         if durable and self._rank != 0:
             assert self._ckpt is not None
             ckpt, step, payload = self._ckpt, self.step, self._mem.read_rng(self._rank, self.step)
@@ -229,6 +227,20 @@ class State:
             self._persister.wait()  # on rank 0: the job the writer queued after the snapshot
             if self.preempted:
                 raise SystemExit(0)
+
+    def _snapshot(self, persist: bool, stop: bool, background: bool) -> None:
+        """Copy the replicated state of ``self.step`` into a memory slot (and queue its checkpoint)."""
+        flat = flatten(self._tree())
+        stable = self._stable_ptrs() if background else set()
+        for i, t in enumerate(flat.tensors):
+            if t.numel() and not (t.data_ptr() in stable and t.is_contiguous()):
+                flat.tensors[i] = t.clone()  # forward may change it before the copy runs
+        header = make_header(flat, step=self.step, world_size=self._world_size)
+        job = self._snapshot_job(flat, header, persist, stop)
+        if background:
+            self._writer.submit(job)
+        else:
+            job()
 
     def _snapshot_job(self, flat: Flattened, header: dict[str, Any], persist: bool, stop: bool):
         def run() -> None:
@@ -275,6 +287,8 @@ class State:
             raise RuntimeError("State.checkpoint() needs a checkpoint_dir")
         self._writer.wait()
         self._persister.wait()
+        if self._writes_shared and not any(i.step == self.step for i in self._mem.scan()):
+            self._snapshot(persist=False, stop=False, background=False)  # a step snapshot_every skipped
         if self._rank == 0:
             infos = [i for i in self._mem.scan() if i.step == self.step]
             if not infos:

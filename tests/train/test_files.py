@@ -135,7 +135,7 @@ def test_plan_rules():
     assert make_plan([Report(0), Report(1)]) is None
 
 
-def make_job(tmp_path, seed=0):
+def make_job(tmp_path, seed=0, **options):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -149,6 +149,7 @@ def make_job(tmp_path, seed=0):
         snapshot_dir=tmp_path / "shm",
         handle_signals=False,
         best=1.0,
+        **options,
     )
     return model, opt, sampler, state
 
@@ -215,6 +216,29 @@ def test_checkpoint_is_skipped_while_the_previous_is_still_written(tmp_path):
         train(model, opt, sampler, state, 3)
     assert [c.step for c in CheckpointDir(tmp_path / "ck").scan()] == [9, 3]
     state.close()
+
+
+def test_snapshot_every_k_commits_restores_the_last_snapshotted_step(tmp_path):
+    """With ``snapshot_every=4`` and checkpoints every 3, steps 3, 4, 6, 8 and 9 are snapshotted
+    (the four slots keep the newest four); a restart after step 10 gets step 9 back exactly, and
+    ``checkpoint()`` at step 10 (not snapshotted) copies it first."""
+    model, opt, sampler, state = make_job(tmp_path, snapshot_every=4)
+    state.restore()
+    after = {}
+    for step in range(1, 11):
+        train(model, opt, sampler, state, 1)
+        after[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    assert sorted(i.step for i in MemorySnapshots(tmp_path / "shm", "local").scan()) == [4, 6, 8, 9]
+    m2, o2, s2, st2 = make_job(tmp_path, seed=1, snapshot_every=4)
+    assert st2.restore() == "memory" and st2.step == 9 and s2.position == 9 * 8 % 64
+    for k, v in m2.state_dict().items():
+        assert torch.equal(v, after[9][k]), k
+    st2.close()
+    state.checkpoint()  # step 10 was not snapshotted: checkpoint() copies it first
+    assert CheckpointDir(tmp_path / "ck").scan()[0].step == 10
+    state.close()
+    with pytest.raises(ValueError, match="snapshot_every"):
+        State(snapshot_dir=tmp_path, handle_signals=False, snapshot_every=0)
 
 
 def test_state_rejects_bad_arguments(tmp_path):

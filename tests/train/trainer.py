@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--ckpt", default=None)
     p.add_argument("--every", type=int, default=0)
+    p.add_argument("--snapshot-every", type=int, default=1)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--samples", type=int, default=96)
     p.add_argument("--batch", type=int, default=4)
@@ -49,6 +50,7 @@ def main() -> None:
     p.add_argument("--crash", action="append", default=[])
     p.add_argument("--ddp", action="store_true", help="wrap in DDP (else all-reduce gradients by hand)")
     p.add_argument("--stop-at-step", type=int, default=0, help="exit cleanly once this step is committed")
+    p.add_argument("--flush", action="store_true", help="wait for each commit's writes (no checkpoint skipped)")
     a = p.parse_args()
 
     out = Path(a.out)
@@ -80,6 +82,7 @@ def main() -> None:
         sampler=sampler,
         checkpoint_dir=a.ckpt,
         checkpoint_every=a.every,
+        snapshot_every=a.snapshot_every,
         losses=[],
     )
     t0 = time.monotonic()
@@ -124,6 +127,8 @@ def main() -> None:
             except SystemExit:
                 (out / f"preempted.r{rank}.json").write_text(json.dumps({"step": state.step}))
                 raise
+            if a.flush:
+                state.flush()
             if step in sync_after:  # "after commit" means: after every rank's commit finished
                 state.flush()
                 torch.distributed.barrier()
