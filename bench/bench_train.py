@@ -4,12 +4,13 @@ Measures, for MLPs of about 10M and 100M parameters trained with SGD + momentum:
 
 * the step time without elastrun.train, the step time with ``state.commit()`` after every step
   (memory snapshot every ``k`` commits, ``--snapshot-every 1,4``), and the time ``commit()``
-  itself blocks the training thread; means over whole multiples of ``k`` steps, since only one
-  step in ``k`` pays for a copy;
+  itself blocks the training thread, from alternating blocks of ``4k`` steps without and with
+  ``commit()`` (only one step in ``k`` pays for a copy); the overhead is the median over rounds
+  of each pair's ratio, so that a shared VM's drift in speed does not land on one side;
 * for the 100M model, ``state.restore()`` from the node's memory, from a peer (two processes,
   one of them with an empty snapshot directory, over gloo) and from disk.
 
-Usage: ``python bench/bench_train.py [--sizes 10,100] [--snapshot-every 1,4] [--steps 8]``.
+Usage: ``python bench/bench_train.py [--sizes 10,100] [--snapshot-every 1,4] [--steps 16]``.
 Prints a table.
 """
 
@@ -57,48 +58,55 @@ def step(model, opt, x) -> None:
 
 
 def bench_commit(million: int, steps: int, work: Path, snapshot_every: int = 1) -> dict:
+    """Blocks of steps without and with ``commit()``, alternated so that drift in the machine's
+    speed (a shared VM) hits both alike; each commit block ends with ``flush()`` inside its timing,
+    so its last copy is charged to it rather than to the next plain block."""
     model = make_model(million)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
     x = torch.randn(64, width_of(model))
-    for _ in range(2):
-        step(model, opt, x)
-    base = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step(model, opt, x)
-        base.append(time.perf_counter() - t)
     state = et.State(
         model=model, optimizer=opt, checkpoint_dir=work / f"ck{million}", snapshot_dir=work / f"shm{million}",
         handle_signals=False, snapshot_every=snapshot_every,
     )  # fmt: skip
-    steps = -(-steps // snapshot_every) * snapshot_every
     for _ in range(4 * snapshot_every + 1):  # first copies allocate the slots' pages
         step(model, opt, x)
         state.commit()
-    with_commit, commit_only = [], []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step(model, opt, x)
-        c = time.perf_counter()
-        state.commit()
-        e = time.perf_counter()
-        with_commit.append(e - t)
-        commit_only.append(e - c)
     state.flush()
+    block = 4 * snapshot_every
+    plain_s = commit_s = commit_call_s = 0.0
+    ratios = []
+    rounds = max(3, -(-steps // block))
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(block):
+            step(model, opt, x)
+        plain = time.perf_counter() - t
+        t = time.perf_counter()
+        for _ in range(block):
+            step(model, opt, x)
+            c = time.perf_counter()
+            state.commit()
+            commit_call_s += time.perf_counter() - c
+        state.flush()
+        with_commit = time.perf_counter() - t
+        plain_s += plain
+        commit_s += with_commit
+        ratios.append(with_commit / plain - 1)
     t = time.perf_counter()
     state.checkpoint()
     ckpt_s = time.perf_counter() - t
     state.close()
-    b, w = statistics.mean(base), statistics.mean(with_commit)
+    n = rounds * block
+    b, w = plain_s / n, commit_s / n
     return {
         "snapshot_every": snapshot_every,
         "params": params,
         "state_mb": (params * 2 * 4) / 2**20,
         "step": b,
         "step_commit": w,
-        "commit_call": statistics.mean(commit_only),
-        "overhead": (w - b) / b,
+        "commit_call": commit_call_s / n,
+        "overhead": statistics.median(ratios),  # per round: robust to the machine's drift
         "checkpoint": ckpt_s,
     }
 
@@ -148,7 +156,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", default="10,100", help="model sizes in millions of parameters")
     p.add_argument("--snapshot-every", default="1,4", help="values of State(snapshot_every=...) to compare")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=16, help="steps of each kind (at least 2 blocks of 4k)")
     p.add_argument("--peer-worker", nargs=3, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.peer_worker:

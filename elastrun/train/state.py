@@ -34,8 +34,9 @@ import torch
 from elastrun.train import dist as edist
 from elastrun.train import rng
 from elastrun.train.background import BackgroundJob
-from elastrun.train.blob import Flattened, copy_into, flatten, make_header, materialize
+from elastrun.train.blob import copy_into, flatten, make_header, materialize
 from elastrun.train.checkpoint import CheckpointCorrupt, CheckpointDir, DiskCandidate
+from elastrun.train.copier import SnapshotCopy
 from elastrun.train.plan import Plan, Report, make_plan
 from elastrun.train.sampler import ElasticSampler
 from elastrun.train.snapshot import RNG_KEEP, MemorySnapshots, SlotInfo
@@ -126,6 +127,7 @@ class State:
         self._mem = MemorySnapshots(snap_dir, run_id)
         self._async = async_snapshot and optimizer is not None
         self._writer = BackgroundJob("elastrun-snapshot")
+        self._copy: SnapshotCopy | None = None  # the running background copy, if any
         self._persister = BackgroundJob("elastrun-checkpoint")
         self._skipped_warned = False
         self._flag_scratch: list[torch.Tensor] = []
@@ -198,6 +200,17 @@ class State:
 
     # -- commit --------------------------------------------------------------------------------
     def _before_optimizer_step(self, *_: Any) -> None:
+        self._finish_copy()  # the parameters are about to change: the snapshot must hold the old ones
+
+    def _finish_copy(self) -> None:
+        """Complete the running snapshot copy, helping it on this thread (see ``copier.py``)."""
+        copy, self._copy = self._copy, None
+        if copy is not None:
+            copy.finish()
+
+    def _drain(self) -> None:
+        """Wait until the last snapshot is copied and published."""
+        self._finish_copy()
         self._writer.wait()
 
     def commit(self) -> None:
@@ -206,7 +219,7 @@ class State:
         Cheap on the training thread; on pre-emption (SIGTERM) it makes a durable checkpoint of
         this step on every rank and then exits this process with status 0.
         """
-        self._writer.wait()
+        self._drain()
         if self._sampler is not None:
             self._sampler.advance()
         self.step += 1
@@ -223,36 +236,50 @@ class State:
             ckpt, step, payload = self._ckpt, self.step, self._mem.read_rng(self._rank, self.step)
             self._persister.submit(lambda: ckpt.write_rng(step, self._rank, payload or b""))
         if stop:
-            self._writer.wait()
+            self._drain()
             self._persister.wait()  # on rank 0: the job the writer queued after the snapshot
             if self.preempted:
                 raise SystemExit(0)
 
     def _snapshot(self, persist: bool, stop: bool, background: bool) -> None:
-        """Copy the replicated state of ``self.step`` into a memory slot (and queue its checkpoint)."""
-        flat = flatten(self._tree())
-        stable = self._stable_ptrs() if background else set()
-        for i, t in enumerate(flat.tensors):
-            if t.numel() and not (t.data_ptr() in stable and t.is_contiguous()):
-                flat.tensors[i] = t.clone()  # forward may change it before the copy runs
-        header = make_header(flat, step=self.step, world_size=self._world_size)
-        job = self._snapshot_job(flat, header, persist, stop)
-        if background:
-            self._writer.submit(job)
-        else:
-            job()
+        """Copy the replicated state of ``self.step`` into a memory slot (and queue its checkpoint).
 
-    def _snapshot_job(self, flat: Flattened, header: dict[str, Any], persist: bool, stop: bool):
-        def run() -> None:
-            slot, buf, view = self._mem.begin(flat.nbytes)
+        In the background, parameters and optimizer state are copied straight from where they
+        live while the next step's forward and backward run (only ``optimizer.step()`` changes
+        them, and its pre-hook completes the copy first); every other tensor is cloned now.
+        """
+        flat = flatten(self._tree())
+        if background:
+            stable = self._stable_ptrs()
+            for i, t in enumerate(flat.tensors):
+                if t.numel() and not (t.data_ptr() in stable and t.is_contiguous()):
+                    flat.tensors[i] = t.clone()  # forward may change it before the copy runs
+        header = make_header(flat, step=self.step, world_size=self._world_size)
+        slot, buf, view = self._mem.begin(flat.nbytes)
+        if not background:
             copy_into(flat, buf)
             del buf
             view.release()
             self._mem.publish(slot, header)
             if persist:
                 self._persist(slot, header, must=stop)
+            return
+        copy = SnapshotCopy(flat, buf)
+        copy.start()
+        self._copy = copy
 
-        return run
+        def finish_in_background() -> None:
+            nonlocal buf
+            if copy.device_indices:
+                copy_into(flat, buf, copy.device_indices)
+            copy.wait()
+            del buf
+            view.release()
+            self._mem.publish(slot, header)
+            if persist:
+                self._persist(slot, header, must=stop)
+
+        self._writer.submit(finish_in_background)
 
     def _persist(self, slot: int, header: dict[str, Any], must: bool) -> None:
         """Queue the durable checkpoint of a just-published slot (skipped if one is still running)."""
@@ -285,7 +312,7 @@ class State:
         must call it, e.g. at the end of training)."""
         if self._ckpt is None:
             raise RuntimeError("State.checkpoint() needs a checkpoint_dir")
-        self._writer.wait()
+        self._drain()
         self._persister.wait()
         if self._writes_shared and not any(i.step == self.step for i in self._mem.scan()):
             self._snapshot(persist=False, stop=False, background=False)  # a step snapshot_every skipped
@@ -302,7 +329,7 @@ class State:
 
     def flush(self) -> None:
         """Block until the last commit's memory snapshot (and any durable checkpoint) is written."""
-        self._writer.wait()
+        self._drain()
         self._persister.wait()
 
     # -- restore ---------------------------------------------------------------------------------
@@ -324,7 +351,7 @@ class State:
         ``"memory"``: each node's own snapshot; ``"peer"``: sent by a rank whose node has it;
         ``"disk"``: the checkpoint directory.  Collective: every rank must call it.
         """
-        self._writer.wait()
+        self._drain()
         self._persister.wait()
         report, slots, disk = self._report()
         reports = edist.all_gather(report)
@@ -426,6 +453,10 @@ class State:
     # -- shutdown ----------------------------------------------------------------------------------
     def close(self) -> None:
         """Let background writes finish (bounded) and release resources; called at exit too."""
+        try:
+            self._finish_copy()
+        except RuntimeError as e:
+            warnings.warn(str(e), stacklevel=2)
         for job in (self._writer, self._persister):
             try:
                 job.wait(timeout=120)

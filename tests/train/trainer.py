@@ -12,7 +12,7 @@ writes what the tests check into ``--out``:
 Faults are injected from ``--crash ATTEMPT:RANK:STEP:WHERE`` (repeatable): in attempt ATTEMPT
 (``TORCHELASTIC_RESTART_COUNT``) rank RANK SIGKILLs itself at step STEP, WHERE being ``before``
 (after ``optimizer.step()``, before ``commit()``), ``after`` (after ``commit()``) or ``copy``
-(in the middle of the memory-snapshot copy, on the background thread).
+(in the middle of the memory-snapshot copy, between two of its chunks).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import elastrun.train as et
-import elastrun.train.state as et_state
+import elastrun.train.copier as et_copier
 
 
 def kill_self() -> None:
@@ -96,15 +96,17 @@ def main() -> None:
     )
     copy_steps = {s for s, where in crashes.items() if where == "copy"}
     if copy_steps:  # tear the memory-snapshot copy of those steps in the middle
-        real_copy = et_state.copy_into
+        real_chunk = et_copier.copy_chunk
+        chunks_of_step: dict[int, int] = {}
 
-        def torn_copy(flat, buf, indices=None):
-            if state.step not in copy_steps:
-                return real_copy(flat, buf, indices)
-            real_copy(flat, buf, list(range(len(flat.tensors) // 2)))
-            kill_self()
+        def torn_chunk(destination, source, nbytes):
+            if state.step in copy_steps:
+                chunks_of_step[state.step] = chunks_of_step.get(state.step, 0) + 1
+                if chunks_of_step[state.step] == 3:  # some chunks copied, the rest not
+                    kill_self()
+            real_chunk(destination, source, nbytes)
 
-        et_state.copy_into = torn_copy
+        et_copier.copy_chunk = torn_chunk
     log = os.open(out / f"batches.r{rank}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     while sampler.epoch < a.epochs:
         for idx, x, y in loader:

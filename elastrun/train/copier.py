@@ -1,0 +1,158 @@
+"""Copying a step's state into a memory-snapshot slot with the CPU time training leaves idle.
+
+The copy of a large state (768 MiB for a 100M-parameter model with SGD momentum) takes about
+0.1 s of one core.  Run on an ordinary helper thread during the next step, it preempts one of
+the step's OpenMP threads; the others then spin at their barriers, and the step loses several
+times the copy's own time (measured: 0.1 s of copying cost a 0.55 s step 0.2-0.4 s).
+
+:class:`SnapshotCopy` therefore splits the copy into chunks taken, in order, by two workers:
+
+- the process's helper thread at ``SCHED_IDLE`` priority, which only runs when a core would
+  otherwise idle (between steps, in data loading, while a collective waits);
+- the training thread, which calls :meth:`SnapshotCopy.finish` just before ``optimizer.step()``
+  changes the parameters, copies whatever is left at its own priority, and waits for the chunk
+  the helper is in the middle of.
+
+So the copy never costs more than doing it on the training thread, and costs nothing where the
+step leaves a core idle long enough.  Usage::
+
+    copy = SnapshotCopy(flat, buffer)
+    copy.start()        # helper thread begins taking chunks
+    ...                 # forward, backward
+    copy.finish()       # before the parameters change
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from elastrun.train.blob import Flattened, as_bytes
+
+#: Bytes per chunk: small enough that the training thread never waits long for the helper's
+#: chunk in flight, large enough that taking a chunk costs nothing next to copying it.
+CHUNK_BYTES = 8 << 20
+
+
+@dataclass
+class _Chunk:
+    source: torch.Tensor  # keeps the (possibly made-contiguous) source alive until copied
+    offset: int  # into the source, bytes
+    destination: int  # address in the slot
+    nbytes: int
+
+
+def copy_chunk(destination: int, source: int, nbytes: int) -> None:
+    """One ``memmove`` (single-threaded; ctypes releases the GIL while it runs)."""
+    ctypes.memmove(destination, source, nbytes)
+
+
+def _lower_priority() -> None:
+    """Make the calling thread ``SCHED_IDLE`` where the platform allows it (Linux; best effort)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        pass
+
+
+class _IdleWorker:
+    """The process's one idle-priority thread, started on first use (again in a forked child)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[SnapshotCopy] = queue.SimpleQueue()
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    def give(self, copy: SnapshotCopy) -> None:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                self._queue = queue.SimpleQueue()
+                serve = threading.Thread(target=self._serve, args=(self._queue,), name="elastrun-idle-copy")
+                serve.daemon = True
+                serve.start()
+            self._queue.put(copy)
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue[SnapshotCopy]) -> None:
+        _lower_priority()
+        while True:
+            jobs.get()._work()
+
+
+_IDLE_WORKER = _IdleWorker()
+
+
+class SnapshotCopy:
+    """Copies the CPU tensors of ``flat`` into ``buffer`` (a CPU ``uint8`` tensor) at their offsets.
+
+    Tensors on another device are not handled here: the caller copies them (``copy_into`` with
+    their indices).  ``buffer`` and the tensors of ``flat`` must stay alive until :meth:`wait`
+    (or :meth:`finish`) returned.
+    """
+
+    def __init__(self, flat: Flattened, buffer: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.device_indices: list[int] = []
+        self._chunks: list[_Chunk] = []
+        base = buffer.data_ptr()
+        for i, (tensor, entry) in enumerate(zip(flat.tensors, flat.entries, strict=True)):
+            if not entry.nbytes:
+                continue
+            if tensor.device.type != "cpu" or buffer.device.type != "cpu":
+                self.device_indices.append(i)
+                continue
+            source = as_bytes(tensor)
+            for start in range(0, entry.nbytes, chunk_bytes):
+                n = min(chunk_bytes, entry.nbytes - start)
+                self._chunks.append(_Chunk(source, start, base + entry.offset + start, n))
+        self._next = 0
+        self._done = 0
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        """Hand the chunks to the idle-priority helper thread."""
+        if self._chunks:
+            _IDLE_WORKER.give(self)
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                if self._next >= len(self._chunks) or self._error is not None:
+                    return
+                chunk = self._chunks[self._next]
+                self._next += 1
+            try:
+                copy_chunk(chunk.destination, chunk.source.data_ptr() + chunk.offset, chunk.nbytes)
+            except BaseException as e:  # re-raised by wait() on the caller's thread
+                with self._cond:
+                    self._error = e
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._done += 1
+                if self._done == len(self._chunks):
+                    self._cond.notify_all()
+
+    def finish(self) -> None:
+        """Copy the chunks nobody has taken yet on this thread, then wait for the rest."""
+        self._work()
+        self.wait()
+
+    def wait(self) -> None:
+        """Block until every chunk is copied; re-raise a chunk's failure."""
+        with self._cond:
+            while self._done < len(self._chunks) and self._error is None:
+                self._cond.wait()
+            if self._error is not None:
+                raise RuntimeError(f"memory snapshot copy failed: {self._error}") from self._error
+
+    @property
+    def finished(self) -> bool:
+        with self._cond:
+            return self._done == len(self._chunks)
