@@ -13,6 +13,7 @@ import torch
 from elastrun.train import ElasticSampler, State
 from elastrun.train.blob import copy_into, flatten, make_header, materialize
 from elastrun.train.checkpoint import CheckpointCorrupt, CheckpointDir
+from elastrun.train.copier import SnapshotCopy
 from elastrun.train.plan import Report, make_plan
 from elastrun.train.snapshot import MemorySnapshots
 
@@ -239,6 +240,23 @@ def test_snapshot_every_k_commits_restores_the_last_snapshotted_step(tmp_path):
     state.close()
     with pytest.raises(ValueError, match="snapshot_every"):
         State(snapshot_dir=tmp_path, handle_signals=False, snapshot_every=0)
+
+
+def test_snapshot_copy_in_chunks_shared_by_the_idle_thread_and_the_caller():
+    """Chunks smaller than the tensors, taken by the idle helper and by ``finish()`` on this
+    thread, give the same bytes as a plain copy; a non-contiguous tensor is copied by value."""
+    state = {"a": torch.randn(1000, 37), "t": torch.randn(64, 48).t(), "b": torch.arange(5), "empty": torch.zeros(0)}
+    flat = flatten(state)
+    expected = torch.full((flat.nbytes,), 7, dtype=torch.uint8)  # alignment padding stays as it was
+    copy_into(flat, expected)
+    for _ in range(20):  # different interleavings of the two workers
+        buf = torch.full((flat.nbytes,), 7, dtype=torch.uint8)
+        copy = SnapshotCopy(flat, buf, chunk_bytes=4096)
+        copy.start()
+        copy.finish()
+        assert copy.finished and torch.equal(buf, expected)
+    roundtrip = materialize(make_header(flat, step=1), buf)
+    assert torch.equal(roundtrip["t"], state["t"]) and torch.equal(roundtrip["a"], state["a"])
 
 
 def test_state_rejects_bad_arguments(tmp_path):
