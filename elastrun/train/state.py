@@ -207,6 +207,8 @@ class State:
         copy, self._copy = self._copy, None
         if copy is not None:
             copy.finish()
+            if copy.device_indices:  # GPU tensors are copied by the writer job itself
+                self._writer.wait()
 
     def _drain(self) -> None:
         """Wait until the last snapshot is copied and published."""
