@@ -42,6 +42,13 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def listening(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts TCP connections on ``host:port`` (e.g. a c10d store host agent)."""
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
 def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.1, what: str = "") -> object:
     """Poll ``predicate`` until truthy (returned) or raise AssertionError after ``timeout`` s."""
     deadline = time.monotonic() + timeout

@@ -3,7 +3,7 @@
 import signal
 import time
 
-from tests.harness import alive, base_env, free_port, read_steps, wait_until
+from tests.harness import alive, base_env, free_port, listening, read_steps, wait_until
 
 
 def _flags(port: int, nnodes: str, run_id: str) -> list[str]:
@@ -14,18 +14,11 @@ def _flags(port: int, nnodes: str, run_id: str) -> list[str]:
 def _start_host_first(agents, flags, env, count):
     """Start ``count`` agents; the first binds the store before the others start."""
     started = [agents.start(flags, env=env, name="agent0")]
-    wait_until(lambda: "round" in started[0].output() or _listening(flags), 30, what="store host up")
+    port = int(next(f for f in flags if f.startswith("--rdzv-endpoint")).rsplit(":", 1)[1])
+    wait_until(lambda: "round" in started[0].output() or listening(port), 30, what="store host up")
     for i in range(1, count):
         started.append(agents.start(flags, env=env, name=f"agent{i}"))
     return started
-
-
-def _listening(flags) -> bool:
-    import socket
-
-    port = int(next(f for f in flags if f.startswith("--rdzv-endpoint")).rsplit(":", 1)[1])
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_three_nodes_lose_one_and_continue(agents, tmp_path):

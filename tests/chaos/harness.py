@@ -50,6 +50,7 @@ import psutil
 
 from tests.chaos import records, verify
 from tests.chaos.records import StepLog
+from tests.harness import listening
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINER = Path(__file__).with_name("trainer.py")
@@ -302,7 +303,7 @@ class ChaosJob:
         self.start_node(self.nodes[0])
         if self.spec.backend == "c10d":
             host, port = self.endpoint.rsplit(":", 1)
-            self._wait(lambda: _listening(host, int(port)), 30, "the c10d store of node 0")
+            self._wait(lambda: listening(int(port), host), 30, "the c10d store of node 0")
         for node in self.nodes[1:]:
             self.start_node(node)
 
@@ -635,12 +636,6 @@ def _netns_keys(wrap: list[str], endpoint: str, prefix: str) -> list[str]:
     if out.returncode != 0:
         raise RuntimeError(f"etcd did not answer from the hub namespace: {out.stderr.strip()}")
     return [base64.b64decode(kv["key"]).decode() for kv in json.loads(out.stdout).get("kvs", [])]
-
-
-def _listening(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex((host, port)) == 0
 
 
 def _signal(proc: psutil.Process, sig: int) -> None:

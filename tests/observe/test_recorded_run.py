@@ -23,15 +23,10 @@ from elastrun.config import LaunchConfig
 from elastrun.observe import start_observability
 from elastrun.observe.events import EventLog, read_log_dir
 from elastrun.observe.timeline import load_timeline
-from tests.harness import REPO, Cluster, base_env, free_port, read_steps, wait_until
+from tests.harness import REPO, Cluster, base_env, free_port, listening, read_steps, wait_until
 
 RUN_ID = "obs-recorded"
 JOB = Path(__file__).with_name("join_crash_job.py")
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +46,7 @@ def recorded() -> Path:
     cluster = Cluster(tmp)
     try:
         first = cluster.start(flags, [str(JOB)], env=env, name="first")
-        wait_until(lambda: _listening(port), 30, what="the store host to listen")
+        wait_until(lambda: listening(port), 30, what="the store host to listen")
         wait_until(lambda: len(read_steps(steps_dir)) >= 5, 60, what="the lone node stepping")
         second = cluster.start(flags, [str(JOB)], env=env, name="second")
         assert first.wait(120) == 0, cluster.outputs()

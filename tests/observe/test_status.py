@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,17 +15,12 @@ import pytest
 from elastrun.observe.status import StatusNotSupportedError, read_status
 from elastrun.rendezvous import registry
 from elastrun.rendezvous.api import RendezvousParameters
-from tests.harness import REPO, alive, base_env, free_port, read_steps, wait_until
+from tests.harness import REPO, alive, base_env, free_port, listening, read_steps, wait_until
 
 
 def _status_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "elastrun", "status", *args], cwd=REPO, env=base_env(),
                           capture_output=True, text=True, timeout=timeout)
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _read(endpoint: str, run_id: str) -> dict:
@@ -42,7 +36,7 @@ def test_status_of_a_two_node_job_before_and_after_a_node_loss(agents, tmp_path)
     flags = ["--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
              "--rdzv-id=obs-status", "--max-restarts=2", f"--log-dir={tmp_path / 'logs'}"]
     host = agents.start(flags, env=env, name="host")
-    wait_until(lambda: _listening(port), 30, what="the store host to listen")
+    wait_until(lambda: listening(port), 30, what="the store host to listen")
     other = agents.start(flags, env=env, name="other")
     wait_until(lambda: any(s.world == 2 for s in read_steps(steps_dir)), 90, what="steps at world 2")
 
@@ -115,7 +109,7 @@ def test_status_of_a_missing_job_or_store_is_one_line_and_exit_1(agents, tmp_pat
     env = base_env(STEPS_LOG=str(tmp_path), STEPS="100000", STEP_SECONDS="0.05")
     agents.start(["--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
                   f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=real-job"], env=env)
-    wait_until(lambda: _listening(port), 30, what="the store host to listen")
+    wait_until(lambda: listening(port), 30, what="the store host to listen")
     res = _status_cli(f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=other-job", "--json")
     assert res.returncode == 1, res
     assert len(res.stderr.strip().splitlines()) == 1 and "no job 'other-job'" in res.stderr, res.stderr

@@ -6,11 +6,11 @@ import json
 import os
 import random
 import signal
-import time
 import uuid
 
 import pytest
 
+from tests.harness import listening
 from tests.train.harness import (
     assert_exactly_once,
     committed_steps,
@@ -151,7 +151,8 @@ def test_resize_two_one_two_every_sample_once(work, procs):
     args = ["--samples", str(samples), "--epochs", str(epochs), "--sleep", "0.15"]
     try:
         a = procs.start(elastic(out, port, run_id, args), work / "a.log")
-        time.sleep(1.5)  # A hosts the rendezvous store; it must outlive B
+        # A must host the rendezvous store (it has to outlive B): B starts once A's store listens.
+        wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
         b = procs.start(elastic(out, port, run_id, args), work / "b.log")
         wait_for(lambda: any(k[0] >= 0 and v["world_size"] == 2 for k, v in restores(out).items()), 60, "world 2")
         first = max(committed_steps(out))
