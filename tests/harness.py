@@ -27,10 +27,10 @@ STEPS_SCRIPT = SCRIPTS / "steps.py"
 _STEP_LINE = re.compile(r"step (\d+) rank (\d+) world (\d+) gen (\S+) t ([\d.]+)")
 
 
-def free_port() -> int:
-    """A port that was free a moment ago (for the rendezvous endpoint of a test job)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago on ``host`` (for a test job's endpoints)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

@@ -37,7 +37,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,7 +49,7 @@ import psutil
 
 from tests.chaos import records, verify
 from tests.chaos.records import StepLog
-from tests.harness import listening
+from tests.harness import free_port, listening
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINER = Path(__file__).with_name("trainer.py")
@@ -147,12 +146,6 @@ class RunResult:
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}s"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

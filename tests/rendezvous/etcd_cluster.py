@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -25,17 +24,13 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.harness import free_port
+
 ETCD_BINARY = shutil.which("etcd") or "/usr/bin/etcd"
 
 
 def etcd_available() -> bool:
     return os.path.isfile(ETCD_BINARY) and os.access(ETCD_BINARY, os.X_OK)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)

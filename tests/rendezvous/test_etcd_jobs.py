@@ -149,7 +149,7 @@ def test_wrong_password_is_a_clear_error(tmp_path):
 
 
 def test_unreachable_etcd_at_start_names_the_endpoints(tmp_path):
-    from tests.rendezvous.etcd_cluster import free_port
+    from tests.harness import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
     argv = [sys.executable, "-m", "elastrun", "--nnodes=1", "--rdzv-backend=etcd", f"--rdzv-endpoint={endpoint}",

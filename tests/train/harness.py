@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections import defaultdict
@@ -26,12 +25,6 @@ def env() -> dict[str, str]:
     e["PYTHONPATH"] = os.pathsep.join([str(REPO), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     e.pop("ELASTRUN_SNAPSHOT_DIR", None)
     return e
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def standalone(out: Path, trainer_args: list[str], nproc: int = 2, flags: tuple[str, ...] = ()) -> list[str]:

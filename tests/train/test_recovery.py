@@ -10,12 +10,11 @@ import uuid
 
 import pytest
 
-from tests.harness import listening
+from tests.harness import free_port, listening
 from tests.train.harness import (
     assert_exactly_once,
     committed_steps,
     elastic,
-    free_port,
     remove_snapshot_dirs,
     restores,
     standalone,
