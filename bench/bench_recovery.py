@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.common import LAUNCHERS, Row, Trial, free_port, launcher_argv, log, median, wait_for
@@ -166,6 +167,17 @@ def lone_node(which: str) -> float | None:
         trial.close()
 
 
+def side_by_side(repeat: int, label: str, measure: Callable[[str], float | None]) -> dict[str, list]:
+    """``measure`` each launcher ``repeat`` times, alternating them: {launcher: [seconds or None]}."""
+    got: dict[str, list] = {w: [] for w in LAUNCHERS}
+    for i in range(repeat):
+        for which in LAUNCHERS:
+            took = measure(which)
+            log(f"{label} {which} #{i}: {took}")
+            got[which].append(took)
+    return got
+
+
 def run(repeat: int) -> tuple[list[Row], list[str]]:
     rows: list[Row] = []
     notes: list[str] = []
@@ -183,28 +195,13 @@ def run(repeat: int) -> tuple[list[Row], list[str]]:
         parts = ", ".join(f"{k} {median(p.get(k) for p in phases[which]):.2f} s" for k in labels)
         notes.append(f"worker-crash breakdown, {which} (medians): {parts}.")
     for agents in (2, 3):
-        loss: dict[str, list] = {w: [] for w in LAUNCHERS}
-        for i in range(repeat):
-            for which in LAUNCHERS:
-                took = node_loss(which, agents)
-                log(f"node loss {which} agents={agents} #{i}: {took}")
-                loss[which].append(took)
+        loss = side_by_side(repeat, f"node loss agents={agents}", lambda which, n=agents: node_loss(which, n))
         rows.append(Row(f"node loss → survivors' next step, {agents} agents", loss["torchrun"], loss["elastrun"],
                         note=f"— = no step within {CAP:g} s"))
-    join: dict[str, list] = {w: [] for w in LAUNCHERS}
-    for i in range(repeat):
-        for which in LAUNCHERS:
-            took = node_join(which)
-            log(f"node join {which} #{i}: {took}")
-            join[which].append(took)
+    join = side_by_side(repeat, "node join", node_join)
     rows.append(Row("node join → first step at the new world size", join["torchrun"], join["elastrun"],
                     note=f"— = no step within {CAP:g} s"))
-    lone: dict[str, list] = {w: [] for w in LAUNCHERS}
-    for i in range(repeat):
-        for which in LAUNCHERS:
-            took = lone_node(which)
-            log(f"lone node {which} #{i}: {took}")
-            lone[which].append(took)
+    lone = side_by_side(repeat, "lone node", lone_node)
     rows.append(Row("lone node of a 1:2 job: launch → first step (default last call)", lone["torchrun"],
                     lone["elastrun"]))
     return rows, notes

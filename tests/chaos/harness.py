@@ -459,23 +459,22 @@ class ChaosJob:
         node, pid = self._pick_worker()
         return self._restarting("worker_hang", node, lambda: os.kill(pid, signal.SIGSTOP), self.expected_world())
 
-    def _inject_agent_kill(self) -> Fault:
+    def _signal_agent(self, kind: str, sig: int) -> tuple[Fault, Node]:
+        """Send ``sig`` to a removable node's agent; the node is down until a later join."""
         node = self.rng.choice(self.removable())
         self.node_id(node)
         node.state = "down"
         self.pending_join = True
         assert node.proc is not None
-        return self._restarting("agent_kill", node, lambda: os.kill(node.proc.pid, signal.SIGKILL),
-                                self.expected_world())
+        pid = node.proc.pid
+        return self._restarting(kind, node, lambda: os.kill(pid, sig), self.expected_world()), node
+
+    def _inject_agent_kill(self) -> Fault:
+        return self._signal_agent("agent_kill", signal.SIGKILL)[0]
 
     def _inject_agent_term(self) -> Fault:
-        node = self.rng.choice(self.removable())
-        self.node_id(node)
-        node.state = "down"
-        self.pending_join = True
+        fault, node = self._signal_agent("agent_term", signal.SIGTERM)
         assert node.proc is not None
-        fault = self._restarting("agent_term", node, lambda: os.kill(node.proc.pid, signal.SIGTERM),
-                                 self.expected_world())
         try:
             code = node.proc.wait(30)
             fault.note += f" agent exit code {code}"
