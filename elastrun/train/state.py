@@ -258,30 +258,28 @@ class State:
                     flat.tensors[i] = t.clone()  # forward may change it before the copy runs
         header = make_header(flat, step=self.step, world_size=self._world_size)
         slot, buf, view = self._mem.begin(flat.nbytes)
-        if not background:
-            copy_into(flat, buf)
+        copy = SnapshotCopy(flat, buf) if background else None
+
+        def complete() -> None:
+            nonlocal buf
+            if copy is None:
+                copy_into(flat, buf)
+            else:
+                if copy.device_indices:
+                    copy_into(flat, buf, copy.device_indices)
+                copy.wait()
             del buf
             view.release()
             self._mem.publish(slot, header)
             if persist:
                 self._persist(slot, header, must=stop)
+
+        if copy is None:
+            complete()
             return
-        copy = SnapshotCopy(flat, buf)
         copy.start()
         self._copy = copy
-
-        def finish_in_background() -> None:
-            nonlocal buf
-            if copy.device_indices:
-                copy_into(flat, buf, copy.device_indices)
-            copy.wait()
-            del buf
-            view.release()
-            self._mem.publish(slot, header)
-            if persist:
-                self._persist(slot, header, must=stop)
-
-        self._writer.submit(finish_in_background)
+        self._writer.submit(complete)
 
     def _persist(self, slot: int, header: dict[str, Any], must: bool) -> None:
         """Queue the durable checkpoint of a just-published slot (skipped if one is still running)."""
