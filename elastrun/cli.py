@@ -130,8 +130,9 @@ FLAGS: tuple[Flag, ...] = (
              "node joining or leaving does not spend one."),
         Flag(("--monitor-interval",), "monitor_interval", "SECONDS", "0.1",
              "How often the workers' state is checked."),
-        Flag(("--start-method",), "start_method", "METHOD", "spawn",
-             "How workers are started: spawn, fork or forkserver."),
+        Flag(("--start-method",), "start_method", "METHOD", "fork",
+             "How workers are started: fork or forkserver fork them from the warm pool (a template "
+             "process that imported torch once); spawn execs a fresh interpreter for each."),
         Flag(("--role",), "role", "NAME", "default", "Role name of this node's workers (ROLE_NAME)."),
         Flag(("--stop-timeout", "--shutdown-timeout"), "stop_timeout", "SECONDS", f"{DEFAULT_STOP_TIMEOUT:g}",
              "Grace period between forwarding a signal to the workers and SIGKILL (torchrun: 30).",

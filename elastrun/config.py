@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from elastrun.workers.bootstrap import exec_argv
+
 
 class Std(enum.IntFlag):
     """Which standard streams of a worker go to a file (``--redirects``) or to file and console (``--tee``).
@@ -56,7 +58,7 @@ class LaunchConfig:
     standalone: bool = False
     max_restarts: int = 0
     monitor_interval: float = 0.1
-    start_method: str = "spawn"
+    start_method: str = "fork"
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
@@ -80,9 +82,12 @@ class LaunchConfig:
     crash_loop_limit: int = 3
 
     def worker_argv(self, python: str) -> list[str]:
-        """The command line that an exec'd worker runs (``python`` is the interpreter to use)."""
+        """The command line that an exec'd worker runs (``python`` is the interpreter to use).
+
+        A Python script or module runs through elastrun's worker bootstrap (``python -u -c ...``),
+        which runs it as ``__main__`` exactly as ``python -u [-m] TARGET`` would and then leaves
+        past the interpreter's teardown; ``--run-path`` is therefore what every Python worker gets.
+        """
         if self.no_python:
             return [self.entrypoint, *self.args]
-        if self.module:
-            return [python, "-u", "-m", self.entrypoint, *self.args]
-        return [python, "-u", self.entrypoint, *self.args]
+        return exec_argv(python, self.entrypoint, self.module, list(self.args))

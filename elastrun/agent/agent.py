@@ -50,6 +50,7 @@ from elastrun.rendezvous.rounds import format_failure
 from elastrun.workers.api import ExitStatus, WorkerHandle, WorkerLaunch, WorkerStarter
 from elastrun.workers.env import worker_environment
 from elastrun.workers.errorfile import read_error_file
+from elastrun.workers.heartbeat import clear_reports, read_exit_report
 from elastrun.workers.logs import tail_text
 from elastrun.workers.spawn import error_file_path
 
@@ -149,6 +150,8 @@ class LocalAgent:
         self.snapshot_dir.mkdir()
         self.heartbeat_dir.mkdir()
         self.trackers: dict[int, HangTracker] = {}
+        #: Exit codes reported by the scripts of the current workers that have returned (by local rank).
+        self._exit_reports: dict[int, tuple[int, float]] = {}
         events_path = self.log_dir / f"events-{self.node_id}.jsonl" if self.log_dir else None
         self.events = EventLog(self.node_id, events_path, sys.stdout if config.event_log_stdout else None)
         self.workers: list[WorkerHandle] = []
@@ -367,7 +370,7 @@ class LocalAgent:
         return WorkerLaunch(
             local_rank=local_rank,
             rank=rank,
-            argv=self._worker_argv(),
+            argv=self.config.worker_argv(sys.executable),
             env=env,
             cwd=os.getcwd(),
             stdout_path=log_base / "stdout.log" if files & Std.OUT else None,
@@ -382,23 +385,14 @@ class LocalAgent:
             python_args=list(self.config.args),
         )
 
-    def _worker_argv(self) -> list[str]:
-        if self.config.run_path and not (self.config.module or self.config.no_python):
-            code = (
-                "import runpy,sys;sys.argv=sys.argv[1:];"
-                "runpy.run_path(sys.argv[0],run_name='__main__')"
-            )
-            return [sys.executable, "-u", "-c", code, self.config.entrypoint, *self.config.args]
-        return self.config.worker_argv(sys.executable)
-
     def _start_workers(self, result: RoundResult) -> None:
         self.workers = []
         self.trackers = {}
+        self._exit_reports = {}
         for local_rank in range(self.config.nproc_per_node):
             launch = self._launch_for(result, local_rank)
             hb_path = launch.env["ELASTRUN_HEARTBEAT_FILE"]
-            if os.path.exists(hb_path):
-                os.unlink(hb_path)
+            clear_reports(hb_path)
             self.trackers[local_rank] = HangTracker(hb_path, self.config.hang_timeout, self.config.startup_timeout)
             handle = self.starter.start(launch)
             self.workers.append(handle)
@@ -435,7 +429,10 @@ class LocalAgent:
                 time.sleep(timeout)
             for handle in running:
                 status = handle.poll()
+                if status is None:
+                    status = self._teardown_overdue(handle)
                 if status is not None:
+                    status = self._judge_exit(result, handle, status)
                     statuses[handle.launch.local_rank] = status
                     self._worker_exited(result, handle, status)
             failed = [(h, statuses[h.launch.local_rank]) for h in self.workers
@@ -477,10 +474,53 @@ class LocalAgent:
                                      restarts_used=result.restarts_used, max_restarts=result.max_restarts)
                     return GroupEnd(Outcome.MEMBERSHIP, reason=reason, detected_at=detected)
 
+    def _exit_report(self, handle: WorkerHandle) -> tuple[int, float] | None:
+        """The exit code the worker's script returned with (and when), once it has returned."""
+        local_rank = handle.launch.local_rank
+        report = self._exit_reports.get(local_rank)
+        if report is None:
+            report = read_exit_report(self.trackers[local_rank].path)
+            if report is not None:
+                self._exit_reports[local_rank] = report
+        return report
+
+    def _teardown_overdue(self, handle: WorkerHandle) -> ExitStatus | None:
+        """Kill a worker still alive ``--stop-timeout`` after its script returned; its status then.
+
+        Only the interpreter's exit is left to such a worker (threads, ``atexit``): a hang there
+        must not hold the job, whose work this worker has done.
+        """
+        report = self._exit_report(handle)
+        if report is None or time.time() - report[1] < self.config.stop_timeout:
+            return None
+        handle.send_signal(signal.SIGKILL)
+        return handle.wait(5.0)
+
+    def _judge_exit(self, result: RoundResult, handle: WorkerHandle, status: ExitStatus) -> ExitStatus:
+        """A worker's status as the job counts it: the script's own exit code once it has returned.
+
+        A signal death or an exit code that differs from the one the script returned with happened
+        in interpreter teardown (torch's process-group destructor races): warn, keep the script's
+        code, spend nothing.  Before the script returned, every death stays what it is.
+        """
+        report = self._exit_report(handle)
+        if report is None or (status.signal is None and status.exitcode == report[0]):
+            return status
+        code = report[0]
+        after = time.time() - report[1]
+        rank = handle.launch.rank
+        self.console.warn(
+            f"rank {rank} {status.describe()} {after:.1f} s after its script returned with exit code {code}: "
+            f"a fault in interpreter teardown, not a failure; keeping exit code {code}"
+        )
+        self.events.emit("teardown_fault", round=result.round, rank=rank, local_rank=handle.launch.local_rank,
+                         exitcode=code, fault=status.describe(), after=round(after, 3))
+        return ExitStatus(exitcode=code, signal=None, timestamp=status.timestamp)
+
     def _find_hang(self, statuses: dict[int, ExitStatus]) -> tuple[WorkerHandle, str] | None:
         now = time.time()
         for handle in self.workers:
-            if handle.launch.local_rank in statuses:
+            if handle.launch.local_rank in statuses or self._exit_report(handle) is not None:
                 continue
             reason = self.trackers[handle.launch.local_rank].check(now)
             if reason is not None:

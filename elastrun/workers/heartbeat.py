@@ -7,6 +7,11 @@ it costs nothing measurable in a training loop.  The agent reads the file's modi
 a worker whose heartbeats stop for longer than its hang timeout is dumped (faulthandler, via
 SIGABRT) and killed.  A script that never calls ``heartbeat`` is never judged hung.
 
+The same channel carries one more fact: that the worker's script has returned, and with which
+exit code (:func:`report_exit`, called by :mod:`elastrun.workers.bootstrap`).  What the process
+does after that — interpreter teardown — cannot fail the job: the agent reads the code back with
+:func:`read_exit_report` and keeps it whatever signal or hang ends the process.
+
 Example::
 
     import elastrun
@@ -60,3 +65,46 @@ def read_heartbeat(path: str) -> float | None:
     except OSError:
         return None
     return st.st_mtime if st.st_size else None
+
+
+def exit_report_path(heartbeat_path: str) -> str:
+    """Where a worker reports its script's exit code, beside its heartbeat file."""
+    return heartbeat_path + ".exit"
+
+
+def report_exit(code: int) -> None:
+    """Tell the agent the script returned with ``code`` (a no-op outside elastrun).
+
+    Written to a temporary name and renamed, so the agent never reads half a report.
+    """
+    path = os.environ.get("ELASTRUN_HEARTBEAT_FILE")
+    if not path:
+        return
+    final = exit_report_path(path)
+    tmp = f"{final}.tmp"
+    try:
+        with open(tmp, "w", encoding="ascii") as fh:
+            fh.write(f"{int(code)}\n")
+        os.replace(tmp, final)
+    except OSError:
+        pass
+
+
+def read_exit_report(heartbeat_path: str) -> tuple[int, float] | None:
+    """The exit code a worker's script returned with and when it was reported, or None if not yet."""
+    final = exit_report_path(heartbeat_path)
+    try:
+        with open(final, encoding="ascii") as fh:
+            code = int(fh.read().strip())
+        return code, os.stat(final).st_mtime
+    except (OSError, ValueError):
+        return None
+
+
+def clear_reports(heartbeat_path: str) -> None:
+    """Remove an earlier worker's heartbeat and exit report before a worker with these paths starts."""
+    for path in (heartbeat_path, exit_report_path(heartbeat_path)):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

@@ -45,8 +45,8 @@ from elastrun.workers.spawn import ChildHandle, ExecStarter, StreamSet
 
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
-#: ``--start-method`` values served by the pool; "spawn" keeps one fresh interpreter per worker.
-POOL_METHODS = ("auto", "fork", "forkserver")
+#: ``--start-method`` values served by the pool (``fork``, the default); "spawn" execs every worker.
+POOL_METHODS = ("fork", "forkserver")
 #: How long a start waits for the template's imports before giving up on the pool.
 READY_TIMEOUT = 300.0
 #: How long a start waits for the template to fork once it is ready.

@@ -22,9 +22,10 @@ that re-parenting before it sets ``PR_SET_PDEATHSIG=SIGKILL``: a death signal ar
 would fire when the intermediate child exits.
 
 The worker is turned into what ``python -u SCRIPT ARGS`` would have been (see
-:func:`_become_worker`); then the job runs at the top level of the template's ``-c`` program,
-so that the interpreter's own exit path (atexit handlers, non-daemon threads, flushing,
-``SystemExit`` codes, death by SIGINT after ``KeyboardInterrupt``) applies unchanged.
+:func:`_become_worker`); then it runs the job and leaves through
+:func:`elastrun.workers.bootstrap.run_target`, exactly as an exec'd worker does (exit codes,
+atexit handlers, non-daemon threads, flushing, death by SIGINT after ``KeyboardInterrupt``, then
+``os._exit`` past the interpreter's teardown).
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass
+
+from elastrun.workers.bootstrap import run_target
 
 _PR_SET_PDEATHSIG = 1
 #: Imports every worker of a torch job pays: ``torch._dynamo`` comes with the first DDP model.
@@ -295,42 +297,6 @@ def _become_worker(sock: socket.socket, request: dict, fds: list[int], agent_pid
     return Job(target=target, module=module, args=list(request["args"]), error_file=request.get("error_file"))
 
 
-def run_job(job: Job) -> None:
-    """Run the worker's script or module as ``__main__``; exits like ``python`` would."""
-    import runpy
-
-    try:
-        if job.module:
-            runpy.run_module(job.target, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(job.target, run_name="__main__")
-    except SystemExit:
-        raise
-    except KeyboardInterrupt:
-        raise  # the interpreter prints it and dies by SIGINT, as a fresh python does
-    except BaseException as exc:
-        tb = exc.__traceback__
-        # Drop the template's and runpy's frames: the traceback starts in the user's code.
-        ours = (run_job.__code__.co_filename, runpy.run_path.__code__.co_filename)
-        while tb is not None and tb.tb_frame.f_code.co_filename in ours:
-            tb = tb.tb_next
-        if tb is not None:
-            exc.with_traceback(tb)
-        _write_error_file(exc, job.error_file)
-        sys.excepthook(type(exc), exc, exc.__traceback__)
-        sys.exit(1)
-    sys.exit(0)
-
-
-def _write_error_file(exc: BaseException, path: str | None) -> None:
-    try:
-        from elastrun.workers.errorfile import write_error_file
-
-        write_error_file(exc, path)
-    except Exception:
-        traceback.print_exc()
-
-
 def main(argv: list[str]) -> None:
     """Entry point of the template process (see the module docstring)."""
     agent_pid, sock_fd = int(argv[0]), int(argv[1])
@@ -338,4 +304,4 @@ def main(argv: list[str]) -> None:
     job = serve(agent_pid, sock_fd, preload)
     if job is None:
         os._exit(0)
-    run_job(job)
+    run_target(job.target, job.module, job.error_file)

@@ -32,7 +32,8 @@ def test_defaults_are_torchruns(script: str) -> None:
     config = parse([script], {})
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (1, 1, 1)
     assert (config.rdzv_backend, config.rdzv_endpoint, config.run_id) == ("static", "", "none")
-    assert (config.max_restarts, config.monitor_interval, config.start_method) == (0, 0.1, "spawn")
+    # The one default that differs on purpose: workers fork from the warm pool (README, "Warm pool").
+    assert (config.max_restarts, config.monitor_interval, config.start_method) == (0, 0.1, "fork")
     assert (config.role, config.node_rank, config.master_addr) == ("default", 0, "127.0.0.1")
     assert config.redirects == {} and config.tee == {} and config.local_ranks_filter is None
     assert config.rdzv_configs == {} and not config.standalone
