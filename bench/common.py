@@ -32,8 +32,8 @@ def launcher_argv(which: str, flags: list[str]) -> list[str]:
     """The command line of ``which`` launcher running the workload with ``flags``."""
     if which == "torchrun":
         return [PYTHON, "-m", "torch.distributed.run", *flags, WORKLOAD]
-    # The warm pool is chosen explicitly so that the figures do not depend on the default.
-    return [PYTHON, "-m", "elastrun", "--start-method=fork", *flags, WORKLOAD]
+    # Default flags on both sides: what a user gets by changing one word.
+    return [PYTHON, "-m", "elastrun", *flags, WORKLOAD]
 
 
 def free_port() -> int:

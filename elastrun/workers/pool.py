@@ -98,6 +98,9 @@ def template_environment(base: Mapping[str, str], nproc: int) -> dict[str, str]:
     env = dict(base)
     if "OMP_NUM_THREADS" not in env and nproc > 1:
         env["OMP_NUM_THREADS"] = "1"
+    # A CUDA availability check during the imports asks NVML instead of initialising the driver,
+    # which would make every forked worker unable to use the GPU.  Read when called, not at load.
+    env.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     return env
 
 

@@ -93,8 +93,20 @@ def _native_threads() -> int:
 
 
 def _cuda_initialised() -> bool:
+    """Whether CUDA was set up in this process: by torch, or the driver loaded by anything else.
+
+    A child forked after ``cuInit`` cannot use the GPU ("initialization error").  torch's own
+    flag covers its lazy init; the driver library being mapped covers a ``cuInit`` that torch
+    does not know about (``torch.cuda.is_available()`` without NVML, another library).
+    """
     torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_initialized())
+    if torch is not None and torch.cuda.is_initialized():
+        return True
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as fh:
+            return any("/libcuda.so" in line for line in fh)
+    except OSError:
+        return False
 
 
 def _unsafe_reason() -> str | None:

@@ -23,6 +23,7 @@ import pytest
 
 from elastrun.config import LaunchConfig
 from elastrun.workers.api import WorkerLaunch
+from elastrun.workers.bootstrap import exec_argv
 from elastrun.workers.pool import PoolHandle, PoolStarter, select_starter
 from elastrun.workers.spawn import ChildHandle, ExecStarter
 
@@ -85,13 +86,17 @@ def pool():
     starter.close()
 
 
-def make_launch(tmp: Path, probe: Path, tag: str, mode: str = "exit0", env: dict | None = None) -> WorkerLaunch:
+def make_launch(tmp: Path, probe: Path, tag: str, mode: str = "exit0", env: dict | None = None,
+                bootstrap: bool = False) -> WorkerLaunch:
+    """A launch of the probe; exec'd as plain ``python -u probe``, or through elastrun's bootstrap."""
     report = tmp / f"{tag}.json"
-    worker_env = dict(os.environ, RANK="0", LOCAL_RANK="0", OMP_NUM_THREADS="1", PROBE_TAG=tag)
+    worker_env = dict(os.environ, RANK="0", LOCAL_RANK="0", OMP_NUM_THREADS="1", PROBE_TAG=tag,
+                      TORCHELASTIC_ERROR_FILE=str(tmp / f"{tag}.error.json"))
     worker_env.update(env or {})
+    args = [str(report), mode]
     return WorkerLaunch(
         local_rank=0, rank=0,
-        argv=[PYTHON, "-u", str(probe), str(report), mode],
+        argv=exec_argv(PYTHON, str(probe), False, args) if bootstrap else [PYTHON, "-u", str(probe), *args],
         env=worker_env, cwd=str(tmp),
         stdout_path=tmp / f"{tag}.out", stderr_path=tmp / f"{tag}.err",
         error_file=tmp / f"{tag}.error.json",
@@ -115,10 +120,13 @@ def await_report(path: Path, timeout: float = 60.0) -> dict:
     return json.loads(path.read_text())
 
 
-def test_forked_worker_looks_like_an_execd_one(pool, probe, tmp_path):
+@pytest.mark.parametrize("how", ["fork", "bootstrap"])
+def test_worker_looks_like_a_plain_python_one(pool, probe, tmp_path, how):
+    """Forked from the pool, or exec'd through the bootstrap: what ``python -u probe.py`` would see."""
     execd, status_e = run_to_end(ExecStarter(), make_launch(tmp_path, probe, "exec"))
-    forked, status_f = run_to_end(pool, make_launch(tmp_path, probe, "fork"))
-    assert isinstance(forked, PoolHandle) and isinstance(execd, ChildHandle)
+    starter = pool if how == "fork" else ExecStarter()
+    forked, status_f = run_to_end(starter, make_launch(tmp_path, probe, "fork", bootstrap=how == "bootstrap"))
+    assert isinstance(forked, PoolHandle if how == "fork" else ChildHandle) and isinstance(execd, ChildHandle)
     assert status_e.exitcode == status_f.exitcode == 0
     e, f = (json.loads((tmp_path / f"{t}.json").read_text()) for t in ("exec", "fork"))
     assert f["name"] == "__main__"
@@ -128,7 +136,8 @@ def test_forked_worker_looks_like_an_execd_one(pool, probe, tmp_path):
                 "torch_threads", "sigterm", "sigint", "blocked"):
         assert f[key] == e[key], key
     assert f["fds"] == ["0", "1", "2"], "descriptors leaked from the template"
-    e["env"].pop("PROBE_TAG"), f["env"].pop("PROBE_TAG")
+    for key in ("PROBE_TAG", "TORCHELASTIC_ERROR_FILE"):
+        e["env"].pop(key), f["env"].pop(key)
     assert f["env"] == e["env"]
     assert f["pgid"] == f["pid"] == forked.pid, "the worker must lead its own process group"
     assert f["ppid"] == os.getpid() == e["ppid"], "the worker must be the agent's child"
@@ -152,23 +161,27 @@ def test_omp_num_threads_is_honoured(pool, probe, tmp_path):
     assert json.loads((tmp_path / "omp.json").read_text())["torch_threads"] == 3
 
 
-def test_exit_codes_exceptions_and_signals(pool, probe, tmp_path):
-    _, status = run_to_end(pool, make_launch(tmp_path, probe, "code", "exit3"))
+@pytest.mark.parametrize("how", ["fork", "bootstrap"])
+def test_exit_codes_exceptions_and_signals(pool, probe, tmp_path, how):
+    starter = pool if how == "fork" else ExecStarter()
+    boot = how == "bootstrap"
+    _, status = run_to_end(starter, make_launch(tmp_path, probe, "code", "exit3", bootstrap=boot))
     assert (status.exitcode, status.signal) == (3, None)
 
-    _, status = run_to_end(pool, make_launch(tmp_path, probe, "raise", "raise"))
+    _, status = run_to_end(starter, make_launch(tmp_path, probe, "raise", "raise", bootstrap=boot))
     assert status.exitcode == 1
     err = (tmp_path / "raise.err").read_text()
     assert err.splitlines()[1].startswith("Traceback (most recent call last):")
-    assert "ValueError: probe failure" in err and "template.py" not in err and "runpy" not in err
+    assert "ValueError: probe failure" in err
+    assert "template.py" not in err and "bootstrap.py" not in err and "runpy" not in err
     assert "ValueError: probe failure" in (tmp_path / "raise.error.json").read_text()
 
     for mode, sig, expected in (("sleep", signal.SIGTERM, (None, signal.SIGTERM)),
                                 ("handler", signal.SIGTERM, (7, None)),
                                 ("sleep", signal.SIGINT, (None, signal.SIGINT))):
         tag = f"{mode}-{sig}"
-        launch = make_launch(tmp_path, probe, tag, mode)
-        handle = pool.start(launch)
+        launch = make_launch(tmp_path, probe, tag, mode, bootstrap=boot)
+        handle = starter.start(launch)
         await_report(tmp_path / f"{tag}.json")
         handle.send_signal(sig)
         status = handle.wait(30)
@@ -282,3 +295,26 @@ def test_python_api_launch_uses_the_pool(tmp_path, monkeypatch):
                           rdzv_endpoint="localhost:0", start_method="fork", quiet=True)
     results = launch(config, _where_am_i)
     assert results == {0: (os.getpid(), True), 1: (os.getpid(), True)}
+
+
+def test_cuda_driver_loaded_in_the_template_means_exec(probe, tmp_path, capfd, monkeypatch):
+    """A --preload that loads the CUDA driver (here: a library mapped under that name) must not be forked."""
+    import ctypes.util
+
+    libm = ctypes.util.find_library("m")
+    assert libm, "no libm to stand in for the driver library's name"
+    fake = tmp_path / "libcuda.so.1"
+    fake.write_bytes(Path(next(p for p in (f"/lib/x86_64-linux-gnu/{libm}", f"/usr/lib/{libm}", f"/lib64/{libm}")
+                               if Path(p).exists())).read_bytes())
+    (tmp_path / "loads_driver.py").write_text(f"import ctypes\nctypes.CDLL({str(fake)!r})\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{ROOT}")
+    starter = PoolStarter(LaunchConfig(entrypoint="probe.py", preload=["loads_driver"]))
+    starter.prepare()
+    try:
+        handle, status = run_to_end(starter, make_launch(tmp_path, probe, "cuda",
+                                                         env={"PYTHONPATH": os.environ["PYTHONPATH"]}))
+        assert isinstance(handle, ChildHandle) and not isinstance(handle, PoolHandle)
+        assert status.exitcode == 0
+        assert "CUDA was initialised in the template" in capfd.readouterr().err
+    finally:
+        starter.close()
