@@ -1,7 +1,8 @@
 """How often a job whose scripts all finished still fails or hangs in the processes' exit.
 
 Runs ``tests/scripts/ddp_del_model.py`` (a DDP script that frees its model right after its last
-all-reduce: the shape that exposes torch's process-group teardown race) many times under
+all-reduce: the shapes that expose torch's process-group teardown race; runs alternate between
+``SHAPE=del`` and ``SHAPE=destroy``, the DDP tutorial's ending) many times under
 elastrun with default flags (warm pool), elastrun ``--start-method spawn`` and torchrun,
 interleaved so that the machine's drift hits all three alike.  A run is a *teardown failure*
 when every rank printed its result but the launcher did not exit 0 within the time limit.
@@ -36,7 +37,7 @@ SETUPS = {
 BEGIN, END = "<!-- teardown:begin -->", "<!-- teardown:end -->"
 
 
-def one_run(argv: list[str], nproc: int, limit: float) -> tuple[str, float]:
+def one_run(argv: list[str], nproc: int, limit: float, shape: str) -> tuple[str, float]:
     """Run the script once; ``("ok"|"failed"|"hung"|"broken", seconds)``.
 
     ``failed``/``hung``: every rank finished its work but the launcher exited non-zero / did not
@@ -45,7 +46,7 @@ def one_run(argv: list[str], nproc: int, limit: float) -> tuple[str, float]:
     start = time.monotonic()
     proc = subprocess.Popen([*argv, "--standalone", f"--nproc-per-node={nproc}", SCRIPT],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"})
+                            env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR", "SHAPE": shape})
     try:
         out, _ = proc.communicate(timeout=limit)
         hung = False
@@ -81,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     for i in range(args.runs):
         for name, launcher in setups.items():
-            outcome, took = one_run(launcher, args.nproc, args.limit)
+            outcome, took = one_run(launcher, args.nproc, args.limit, ("del", "destroy")[i % 2])
             counts[name][outcome] += 1
             times[name].append(took)
             if outcome != "ok":
-                log(f"run {i}: {name}: {outcome} ({took:.1f} s)")
+                log(f"run {i} ({('del', 'destroy')[i % 2]}): {name}: {outcome} ({took:.1f} s)")
         if (i + 1) % 10 == 0:
             log(f"{i + 1}/{args.runs}: " + "; ".join(f"{n}: {dict(c)}" for n, c in counts.items()))
     minutes = (time.monotonic() - began) / 60
@@ -108,7 +109,7 @@ def render(counts: dict[str, Counter], times: dict[str, list[float]], args: argp
         BEGIN,
         f"`python bench/bench_teardown.py --runs {args.runs} --nproc {args.nproc}` "
         f"({minutes:.0f} min, {time.strftime('%Y-%m-%d')}): each run is one job of {args.nproc} workers "
-        "running `tests/scripts/ddp_del_model.py`.",
+        "running `tests/scripts/ddp_del_model.py`, alternately with `SHAPE=del` and `SHAPE=destroy`.",
         "",
         "| launcher | runs | exit 0 | teardown failures (exit ≠ 0 / hung) | of them recovered by elastrun "
         "(warned, exit 0) | median run |",

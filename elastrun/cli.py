@@ -144,7 +144,8 @@ FLAGS: tuple[Flag, ...] = (
         Flag(("-m", "--module"), "module", None, None, "SCRIPT is a module name, run like 'python -m'."),
         Flag(("--no-python",), "no_python", None, None, "SCRIPT is a program, run without 'python'."),
         Flag(("--run-path",), "run_path", None, None,
-             "Run SCRIPT with runpy.run_path inside the worker's interpreter."),
+             "Run SCRIPT with runpy.run_path inside the worker's interpreter (what every Python "
+             "worker does under elastrun; accepted for torchrun compatibility)."),
     ),
     *_group("Logs",
         Flag(("--log-dir",), "log_dir", "DIR", None,

@@ -10,7 +10,9 @@ every script finished could then hang or fail (pytorch#56297; measured in docs/b
 So both starters run the user's code through :func:`run_target` (the exec'd worker through the
 ``-c`` program of :func:`exec_argv`, the warm pool's forked worker directly), which:
 
-1. runs the script or module as ``__main__``, as ``python [-m] TARGET ARGS`` would;
+1. runs the script or module as ``__main__``, as ``python [-m] TARGET ARGS`` would, with
+   :mod:`elastrun.workers.pg_guard` keeping destroyed process groups alive until the exit (the
+   same race, met inside the script when ``destroy_process_group()`` precedes freeing the model);
 2. turns the way it ended into the exit code ``python`` would give (``SystemExit`` codes, an
    uncaught exception: traceback, error file, 1);
 3. reports that code to the agent (:func:`elastrun.workers.heartbeat.report_exit`): from now on
@@ -26,6 +28,7 @@ as ``python`` does, and no exit is reported.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import runpy
 import signal
@@ -34,6 +37,7 @@ import threading
 import traceback
 from pathlib import Path
 
+from elastrun.workers import pg_guard
 from elastrun.workers.errorfile import write_error_file
 from elastrun.workers.heartbeat import report_exit
 
@@ -73,6 +77,7 @@ def exec_main() -> None:
 
 def run_target(target: str, module: bool, error_file: str | None) -> None:
     """Run ``target`` as ``__main__``, then leave as described in the module docstring.  Never returns."""
+    pg_guard.install()
     interrupted: KeyboardInterrupt | None = None
     try:
         code = _run(target, module, error_file)
@@ -141,12 +146,17 @@ def _python_shutdown() -> None:
 
 
 def _flush() -> None:
+    """Flush Python's streams and C's stdio buffers (native code's ``printf``), which ``os._exit`` would drop."""
     for stream in (sys.stdout, sys.stderr):
         try:
             if stream is not None:
                 stream.flush()
         except (OSError, ValueError):
             pass
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
 
 
 def _write_error_file(exc: BaseException, path: str | None) -> None:

@@ -4,8 +4,9 @@ Workers run through :mod:`elastrun.workers.bootstrap`, which reports the script'
 the agent before the interpreter's exit and leaves with ``os._exit``.  These tests run real agents
 with workers that abort or hang *after* their script returned (the agent must keep exit 0, warn,
 and spend nothing) or abort *before* it returned (still a failure), under both start methods;
-and the stress shape of torch's own teardown race: a DDP model freed right after its last
-all-reduce, many jobs in a row with default flags.
+and the stress shapes of torch's own teardown race: a DDP model freed right after its last
+all-reduce, with and without ``destroy_process_group()`` first, many jobs in a row with default
+flags; and the guard that keeps destroyed process groups alive until the exit.
 """
 
 from __future__ import annotations
@@ -61,7 +62,46 @@ def test_ddp_model_freed_after_the_last_allreduce_always_ends_clean(tmp_path):
     """Torch's teardown race, default flags: every job of a row must end with exit 0 (see bench_teardown)."""
     runs, nproc = 6, 4
     for i in range(runs):
-        proc, took = launch(tmp_path, [f"--nproc-per-node={nproc}"], str(SCRIPTS / "ddp_del_model.py"), timeout=90)
+        proc, took = launch(tmp_path, [f"--nproc-per-node={nproc}"], str(SCRIPTS / "ddp_del_model.py"), timeout=90,
+                            SHAPE=("del", "destroy")[i % 2])
         done = set(re.findall(r"done (\d+) ", proc.stdout))
         assert done == {str(r) for r in range(nproc)}, f"run {i}: not every rank finished\n{proc.stderr[-3000:]}"
         assert proc.returncode == 0, f"run {i}: exit {proc.returncode} after {took:.1f} s\n{proc.stderr[-3000:]}"
+
+
+def test_native_output_is_flushed_before_the_exit(tmp_path):
+    """``os._exit`` drops C stdio buffers: the bootstrap must flush what native code printed.
+
+    Forked from a template whose C stdout is buffered (no ``PYTHONUNBUFFERED`` at its start).
+    """
+    script = tmp_path / "native_print.py"
+    script.write_text("import ctypes\nctypes.CDLL(None).printf(b'native line %d\\n', 7)\n")
+    env = base_env()
+    env.pop("PYTHONUNBUFFERED", None)
+    proc = subprocess.run([sys.executable, "-m", "elastrun", "--standalone", "--nproc-per-node=1", str(script)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "native line 7" in proc.stdout
+
+
+GUARD_PROBE = """
+from torch.distributed import destroy_process_group as imported_early
+import torch.distributed as dist
+from elastrun.workers import pg_guard
+dist.init_process_group("gloo")
+group = dist.group.WORLD
+dist.destroy_process_group()
+print("guarded", getattr(imported_early, "__elastrun_keeps_groups__", False),
+      getattr(dist.destroy_process_group, "__elastrun_keeps_groups__", False),
+      any(g is group for g in pg_guard.KEPT), flush=True)
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_destroyed_groups_are_kept_until_the_exit(tmp_path, method):
+    """The guard against the destructor deadlock is in place however the script imports torch.distributed."""
+    script = tmp_path / "guard_probe.py"
+    script.write_text(GUARD_PROBE)
+    proc, _ = launch(tmp_path, ["--nproc-per-node=2", f"--start-method={method}"], str(script))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("guarded True True True") == 2, proc.stdout
