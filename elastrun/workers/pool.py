@@ -191,6 +191,8 @@ class PoolStarter(WorkerStarter):
             self._sock.close()
             self._sock = None
         if self._proc is not None:
+            if not self._ready and self._proc.poll() is None:
+                self._proc.kill()  # still importing: it has nothing to finish
             try:
                 self._proc.wait(2.0)
             except subprocess.TimeoutExpired:

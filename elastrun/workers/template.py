@@ -119,8 +119,13 @@ def _unsafe_reason() -> str | None:
     return None
 
 
-def _send(sock: socket.socket, message: dict) -> None:
-    sock.send(json.dumps(message).encode())
+def _send(sock: socket.socket, message: dict) -> bool:
+    """Send one message to the agent; False if the agent is gone (it closed its end)."""
+    try:
+        sock.send(json.dumps(message).encode())
+    except OSError:
+        return False
+    return True
 
 
 def serve(agent_pid: int, sock_fd: int, preload: list[str]) -> Job | None:
@@ -134,8 +139,9 @@ def serve(agent_pid: int, sock_fd: int, preload: list[str]) -> Job | None:
     # (and so copying) their pages in the children.
     gc.collect()
     gc.freeze()
-    _send(sock, {"ready": True, "failed_preload": failed, "cuda": _cuda_initialised(),
-                 "threads": _native_threads()})
+    if not _send(sock, {"ready": True, "failed_preload": failed, "cuda": _cuda_initialised(),
+                        "threads": _native_threads()}):
+        return None  # the agent left while the imports ran (e.g. its rendezvous failed)
     while True:
         try:
             data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MESSAGE, 3)
@@ -150,7 +156,8 @@ def serve(agent_pid: int, sock_fd: int, preload: list[str]) -> Job | None:
         if reason is not None or len(fds) != 3:
             for fd in fds:
                 os.close(fd)
-            _send(sock, {"error": reason or f"expected 3 descriptors, got {len(fds)}"})
+            if not _send(sock, {"error": reason or f"expected 3 descriptors, got {len(fds)}"}):
+                return None
             continue
         job = _fork_worker(sock, request, fds, agent_pid)
         if job is not None:
