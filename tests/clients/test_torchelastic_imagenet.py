@@ -18,7 +18,7 @@ from tests.clients.harness import SCRIPTS, wait_output
 from tests.harness import Cluster, free_port, listening, wait_until
 
 SCRIPT = SCRIPTS / "torchelastic_imagenet.py"
-EPOCHS = 30
+EPOCHS = 12
 
 
 def test_a_node_joins_receives_the_checkpoint_then_is_lost_and_the_survivor_resumes(
