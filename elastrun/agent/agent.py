@@ -522,7 +522,14 @@ class LocalAgent:
         for handle in self.workers:
             if handle.launch.local_rank in statuses or self._exit_report(handle) is not None:
                 continue
-            reason = self.trackers[handle.launch.local_rank].check(now)
+            tracker = self.trackers[handle.launch.local_rank]
+            reason = tracker.check(now)
+            first_beat = tracker.take_first_beat()
+            if first_beat is not None and self.result is not None:
+                self.events.emit("worker_stepping", round=self.result.round, generation=self.result.generation,
+                                 rank=handle.launch.rank, local_rank=handle.launch.local_rank, pid=handle.pid,
+                                 first_heartbeat=round(first_beat, 4),
+                                 since_start=round(first_beat - tracker.started, 4))
             if reason is not None:
                 return handle, reason
         return None

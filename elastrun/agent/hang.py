@@ -31,6 +31,8 @@ class HangTracker:
         self.beats = 0
         self.last_beat: float | None = None
         self.longest_gap = 0.0
+        #: Time stamp of the first heartbeat, until :meth:`take_first_beat` hands it out once.
+        self._first_beat: float | None = None
 
     @property
     def timeout(self) -> float:
@@ -43,6 +45,14 @@ class HangTracker:
         now = time.time() if now is None else now
         return self.beats >= 2 or now - self.started >= PROGRESS_RUNTIME
 
+    def take_first_beat(self) -> float | None:
+        """The first heartbeat's time stamp the first time it is asked for after it was seen, else None.
+
+        The agent reports it once per worker: the moment a restarted worker steps again.
+        """
+        first, self._first_beat = self._first_beat, None
+        return first
+
     def check(self, now: float | None = None) -> str | None:
         """Read the heartbeat file; a description of the hang, or None while the worker is fine."""
         now = time.time() if now is None else now
@@ -50,6 +60,8 @@ class HangTracker:
         if beat is not None and beat != self.last_beat:
             if self.last_beat is not None:
                 self.longest_gap = max(self.longest_gap, beat - self.last_beat)
+            if self.last_beat is None:
+                self._first_beat = beat
             self.last_beat = beat
             self.beats += 1
         if self.last_beat is None:

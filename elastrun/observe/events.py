@@ -28,6 +28,10 @@ EVENT_KINDS: dict[str, str] = {
         "max_restarts"
     ),
     "worker_start": "round, generation, rank, local_rank, pid, start_method",
+    "worker_stepping": (
+        "round, generation, rank, local_rank, pid, first_heartbeat (its Unix time), since_start (s from the "
+        "worker's start)"
+    ),
     "worker_exit": "round, generation, rank, local_rank, pid, exitcode, signal",
     "worker_failure": "round, generation, rank, local_rank, exitcode, signal, message",
     "restart": "round, reason, restarts_used, max_restarts",

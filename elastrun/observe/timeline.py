@@ -6,10 +6,11 @@ the Agg backend, so nothing needs a display).  Keeping the model separate lets t
 what is plotted without reading pixels, and keeps the HTML page (:mod:`.timeline_html`) in
 step with the picture.
 
-Times in the model are seconds since the job's first event.  An attempt is one worker-group
-generation on one node: from its first worker's start to its last worker's end.  Workers the
-agent kills for a restart leave no exit event; their attempt ends when the agent goes round
-again.  An agent that was SIGKILLed leaves no more events at all: its last attempt ends when
+A recovery mark stands where the restarted workers step again (the last one's first heartbeat),
+not where they were spawned.  Times in the model are seconds since the job's first event.  An
+attempt is one worker-group generation on one node: from its first worker's start to its last
+worker's end.  Workers the agent kills for a restart leave no exit event; their attempt ends
+when the agent goes round again.  An agent that was SIGKILLed leaves no more events at all: its last attempt ends when
 another node declared it lost (or at the end of the log) and is drawn as ``lost``.
 """
 
@@ -41,7 +42,7 @@ MARK_STYLES = {
     "failure": ("X", "#D55E00", "worker failure"),
     "node_lost": ("v", "#000000", "node lost"),
     "hang": ("D", "#E69F00", "hang detected"),
-    "recovered": ("^", "#009E73", "workers back (s since the fault or change)"),
+    "recovered": ("^", "#009E73", "workers back: stepping again (s since the fault or change)"),
     "signal": ("s", "#CC79A7", "signal received"),
     "job_failed": ("P", "#7F0000", "job failed"),
 }
@@ -181,6 +182,10 @@ def _node_history(
         current = None
 
     exited = False
+    #: generation → {rank: first heartbeat (Unix time)}, from ``worker_stepping``.
+    stepping: dict[int, dict[int, float]] = {}
+    #: ``recovered`` events with the generation and ranks they brought back, resolved after the loop.
+    recoveries: list[tuple[dict[str, Any], int, list[int]]] = []
     for e in evs:
         kind, ts = e.get("event"), float(e["ts"])
         if kind == "worker_start":
@@ -203,12 +208,12 @@ def _node_history(
                                     str(e.get("message") or "")[-1500:]))
         elif kind in ("round_start", "restart"):
             close(ts)
+        elif kind == "worker_stepping":
+            gen = int(e.get("generation", e.get("round", 0)) or 0)
+            stepping.setdefault(gen, {})[int(e.get("rank", -1))] = float(e.get("first_heartbeat", ts))
         elif kind == "recovered":
-            took = e.get("duration")
-            model.marks.append(
-                Mark(node, ts - t0, "recovered", f"{float(took):.1f} s" if took is not None else "recovered",
-                     f"recovered from {e.get('reason', 'a fault')}")
-            )
+            ranks = list(current["ranks"]) if current is not None else []
+            recoveries.append((e, current["generation"] if current is not None else -1, ranks))
         elif kind == "hang_detected":
             model.marks.append(Mark(node, ts - t0, "hang", f"rank {e.get('rank')} silent",
                                     str(e.get("reason") or "")))
@@ -224,6 +229,30 @@ def _node_history(
             close(max(lost[0], current["start"]), "lost")
         else:
             close(t_end, "running")
+    for e, gen, ranks in recoveries:
+        model.marks.append(_recovery_mark(node, t0, e, stepping.get(gen, {}), ranks))
+
+
+def _recovery_mark(node: str, t0: float, e: dict[str, Any], stepping: dict[int, float], ranks: list[int]) -> Mark:
+    """Workers back after a fault: when the last of them sent its first heartbeat (it steps again).
+
+    The agent's ``recovered`` event is written when the workers were started; a restart's real
+    cost (imports, process-group set-up, restoring state) comes after that.  Workers that never
+    send heartbeats (a script that neither uses ``elastrun.train`` nor calls
+    ``elastrun.heartbeat()``) can only be shown as started, and the label says so.
+    """
+    ts, reason = float(e["ts"]), e.get("reason", "a fault")
+    took = e.get("duration")
+    if took is None:
+        return Mark(node, ts - t0, "recovered", "recovered", f"recovered from {reason}")
+    fault = ts - float(took)
+    if ranks and all(r in stepping for r in ranks):
+        back = max(stepping[r] for r in ranks)
+        return Mark(node, back - t0, "recovered", f"{back - fault:.1f} s",
+                    f"stepping again {back - fault:.2f} s after {reason} (started after {float(took):.2f} s)")
+    return Mark(node, ts - t0, "recovered", f"{float(took):.1f} s (started)",
+                f"workers started {float(took):.2f} s after {reason}; they send no heartbeats, so when they "
+                "stepped again is not known")
 
 
 def _rounds(model: Timeline, events: list[dict[str, Any]]) -> None:

@@ -1,9 +1,11 @@
 """deploy/slurm/elastrun.sbatch: its syntax, the elastrun command it starts, and its signal handling.
 
-The script runs for real under bash, with stand-ins for SLURM's own programs (``srun``, ``scontrol``)
-first on PATH: they record how they were called. The elastrun command line ``srun`` was given then goes
-through elastrun's own argument parser. The time-limit test sends USR1 to the running batch shell, as
-SLURM's ``--signal=B:USR1@N`` would, and checks that srun got SIGTERM and the job was requeued.
+The script runs for real under bash, with stand-ins for SLURM's own programs (``srun``, ``scontrol``,
+``scancel``) first on PATH: they record how they were called. The elastrun command line ``srun`` was
+given then goes through elastrun's own argument parser. The time-limit test sends USR1 to the running
+batch shell, as SLURM's ``--signal=B:USR1@N`` would, and checks that the job step was sent SIGTERM
+through ``scancel`` and the job was requeued. The same script under a real SLURM:
+``test_slurm_cluster.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ EXAMPLE = REPO / "examples" / "train_imagenet_style.py"
 FAKE_SRUN = r"""#!/bin/bash
 # Stand-in for srun: records its argv, reports SIGTERM, runs for FAKE_SRUN_SECONDS, exits FAKE_SRUN_EXIT.
 trap 'echo TERM >> "$FAKE_SLURM_LOG/srun.signals"; kill "$sleeper" 2>/dev/null; exit 143' TERM
+echo $$ > "$FAKE_SLURM_LOG/srun.pid"
 printf '%s\0' "$@" > "$FAKE_SLURM_LOG/srun.argv.tmp"
 mv "$FAKE_SLURM_LOG/srun.argv.tmp" "$FAKE_SLURM_LOG/srun.argv"
 sleep "${FAKE_SRUN_SECONDS:-0}" &
@@ -44,6 +47,12 @@ else
 fi
 """
 
+FAKE_SCANCEL = r"""#!/bin/bash
+# Stand-in for scancel: records its arguments; --signal=TERM reaches the job step (the fake srun).
+echo "$*" >> "$FAKE_SLURM_LOG/scancel.calls"
+if [[ $1 == --signal=TERM ]]; then kill -TERM "$(cat "$FAKE_SLURM_LOG/srun.pid")"; fi
+"""
+
 
 class FakeSlurm:
     """A temp directory with the stand-ins, and the batch shells started against them."""
@@ -55,7 +64,7 @@ class FakeSlurm:
         self.submit_dir = root / "submit"
         for d in (self.root, self.bin, self.log, self.submit_dir):
             d.mkdir()
-        for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("scancel", FAKE_SCANCEL)):
             (self.bin / name).write_text(text)
             (self.bin / name).chmod(0o755)
         self.procs: list[subprocess.Popen[str]] = []
@@ -200,6 +209,16 @@ def test_c10d_command_line_parses_to_the_intended_launch(slurm: FakeSlurm, parse
     assert cfg.args == ["--checkpoint-dir", f"{slurm.submit_dir}/checkpoints/elastic-imagenet"]
 
 
+def test_arguments_after_the_batch_script_go_to_the_training_script(slurm: FakeSlurm, parse) -> None:
+    # sbatch passes the words after the script's name to it as "$@".
+    result = subprocess.run(["bash", str(SBATCH), "--epochs", "5", "--lr", "0.1"], env=slurm.env(), cwd=REPO,
+                            capture_output=True, text=True, timeout=20)
+    assert result.returncode == 0, result.stderr
+    _, argv = _elastrun_argv(slurm.srun_argv())
+    cfg = parse(argv, {})
+    assert cfg.args[-4:] == ["--epochs", "5", "--lr", "0.1"]
+
+
 def test_etcd_command_line_parses_to_the_intended_launch(slurm: FakeSlurm, parse) -> None:
     endpoints = "etcd1:2379,etcd2:2379,etcd3:2379"
     env = slurm.env(
@@ -227,6 +246,8 @@ def test_time_limit_warning_stops_agents_with_sigterm_and_requeues(slurm: FakeSl
     os.kill(proc.pid, signal.SIGUSR1)  # what --signal=B:USR1@120 does
     out, err = proc.communicate(timeout=15)
     assert proc.returncode == 0, err
+    # The step's tasks get SIGTERM from SLURM (scancel --signal), not srun: srun would force-kill them.
+    assert (slurm.log / "scancel.calls").read_text().splitlines() == ["--signal=TERM 4242"]
     assert (slurm.log / "srun.signals").read_text().split() == ["TERM"]
     assert (slurm.log / "scontrol.calls").read_text().split("\n")[0] == "requeue 4242"
 
@@ -239,4 +260,5 @@ def test_preemption_sigterm_waits_for_the_agents_and_does_not_requeue(slurm: Fak
     out, err = proc.communicate(timeout=15)
     assert proc.returncode == 143, f"the shell must outlive srun and pass on its status: {err}"
     assert not (slurm.log / "srun.signals").exists(), "SLURM already signalled the agents"
+    assert not (slurm.log / "scancel.calls").exists()
     assert not (slurm.log / "scontrol.calls").exists(), "a pre-empted job is requeued by SLURM, not by us"

@@ -3,7 +3,8 @@
 Alone (WORLD_SIZE 1) it steps until its agent stops it for the join (at most MAX_ALONE seconds,
 then it exits 3 so the test fails rather than hangs).  In the first group of two, rank 1 raises
 once (``$CRASH_ONCE_FILE`` records it); after that the group runs STEPS steps and exits 0.  Steps
-are logged to $STEPS_LOG/rank<r>.log in tests/scripts/steps.py's format.
+are logged to $STEPS_LOG/rank<r>.log in tests/scripts/steps.py's format, and each step is a progress
+heartbeat (``elastrun.heartbeat()``), so the agents report when a restarted group steps again.
 """
 
 import os
@@ -12,6 +13,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+import elastrun
 
 MAX_ALONE = 120.0
 
@@ -34,6 +37,7 @@ def main() -> int:
         value = torch.ones(1)
         dist.all_reduce(value)
         log.write(f"step {step} rank {rank} world {world} gen {gen} t {time.time():.3f}\n")
+        elastrun.heartbeat()
         step += 1
         time.sleep(0.05)
     dist.destroy_process_group()

@@ -22,7 +22,7 @@ import pytest
 from elastrun.config import LaunchConfig
 from elastrun.observe import start_observability
 from elastrun.observe.events import EventLog, read_log_dir
-from elastrun.observe.timeline import load_timeline
+from elastrun.observe.timeline import build_timeline, load_timeline
 from tests.harness import REPO, Cluster, base_env, free_port, listening, read_steps, wait_until
 
 RUN_ID = "obs-recorded"
@@ -126,6 +126,55 @@ def test_timeline_model_shows_the_attempts_faults_and_world_size(recorded: Path)
     assert [r.round for r in model.rounds] == sorted(r.round for r in model.rounds)
     assert [w for _, w in model.world_size] == [1, 2, 2]
     assert max(c for _, c in model.running) == 2 and model.running[-1][1] == 0
+
+
+def test_workers_back_is_their_first_heartbeat_not_their_spawn(recorded: Path) -> None:
+    events = read_log_dir(recorded)
+    model = load_timeline(recorded)
+    t0 = model.t0
+    stepping = [e for e in events if e["event"] == "worker_stepping"]
+    starts = {(e["node"], e["generation"], e["rank"]): e for e in events if e["event"] == "worker_start"}
+    # Every worker of every generation stepped (the job ran to the end), each reported once.
+    assert sorted((e["node"], e["generation"], e["rank"]) for e in stepping) == sorted(starts)
+    for e in stepping:
+        start = starts[(e["node"], e["generation"], e["rank"])]
+        assert e["pid"] == start["pid"]
+        assert start["ts"] <= e["first_heartbeat"] <= e["ts"]
+        # torch's import and the process group's bootstrap come between the spawn and the first step.
+        assert 0 < e["since_start"] < 60
+    recovered = [e for e in events if e["event"] == "recovered"]
+    marks = model.marks_of("recovered")
+    assert len(marks) == len(recovered) == 3
+    for e in recovered:
+        fault = e["ts"] - e["duration"]
+        gen = next(s["generation"] for s in reversed(events)
+                   if s["event"] == "worker_start" and s["node"] == e["node"] and s["ts"] <= e["ts"])
+        back = max(s["first_heartbeat"] for s in stepping if s["node"] == e["node"] and s["generation"] == gen)
+        mark = next(m for m in marks if m.node == e["node"] and abs(m.t - (back - t0)) < 1e-6)
+        assert mark.label == f"{back - fault:.1f} s"
+        assert back - fault > e["duration"], "stepping again comes after the spawn"
+        assert "stepping again" in mark.detail
+
+
+def test_a_recovery_without_heartbeats_is_shown_as_started_only() -> None:
+    node = "n1"
+    events = [
+        {"ts": 100.0, "node": node, "event": "agent_start", "run_id": "x", "hostname": "h", "pid": 1},
+        {"ts": 101.0, "node": node, "event": "worker_start", "generation": 0, "round": 1, "rank": 0, "pid": 10},
+        {"ts": 105.0, "node": node, "event": "worker_failure", "generation": 0, "rank": 0, "exitcode": 1},
+        {"ts": 105.5, "node": node, "event": "round_start"},
+        {"ts": 106.0, "node": node, "event": "worker_start", "generation": 1, "round": 2, "rank": 0, "pid": 11},
+        {"ts": 106.0, "node": node, "event": "recovered", "round": 2, "reason": "the failure of rank 0",
+         "duration": 1.0},
+        {"ts": 110.0, "node": node, "event": "agent_exit", "exitcode": 0},
+    ]
+    (mark,) = build_timeline(events).marks_of("recovered")
+    assert (mark.t, mark.label) == (6.0, "1.0 s (started)")
+    assert "send no heartbeats" in mark.detail
+    events.insert(6, {"ts": 108.0, "node": node, "event": "worker_stepping", "generation": 1, "rank": 0,
+                      "pid": 11, "first_heartbeat": 107.5, "since_start": 1.5})
+    (mark,) = build_timeline(events).marks_of("recovered")
+    assert (mark.t, mark.label) == (7.5, "2.5 s")
 
 
 def _png_size(path: Path) -> tuple[int, int]:
