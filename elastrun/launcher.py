@@ -96,6 +96,12 @@ def run(config: LaunchConfig) -> int:
     from elastrun.agent.agent import LocalAgent
 
     agent = LocalAgent(config, handler, starter, base_env=base_env)
+
+    def rendezvous_warning(message: str, fields: dict[str, Any]) -> None:
+        print(f"elastrun: warning: {message}", file=sys.stderr)
+        agent.events.emit("rendezvous_warning", message=message, **fields)
+
+    handler.on_warning = rendezvous_warning
     return agent.run()
 
 

@@ -42,6 +42,7 @@ EVENT_KINDS: dict[str, str] = {
     "recovered": "round, reason, duration (s from the fault to all workers started)",
     "signal": "signal, action, grace",
     "job_failed": "reason, exitcode",
+    "rendezvous_warning": "message, kind (e.g. forged_value), key, why",
     "agent_exit": "exitcode, reason",
 }
 

@@ -4,7 +4,9 @@
 not join a round and does not write a key.  It only uses the store's read operations
 (``check``, ``get``, ``multi_get`` on keys known to exist, so no read ever blocks waiting for a
 key), on the keys the c10d backend writes under ``/elastrun/<run_id>/`` (see
-elastrun/rendezvous/c10d.py and docs/rendezvous-protocol.md).
+elastrun/rendezvous/c10d.py and docs/rendezvous-protocol.md).  A job started with a job token
+keeps its keys under a secret namespace and seals its values: the reader needs the same token
+(``--rdzv-conf token_file=PATH`` or ``$ELASTRUN_JOB_TOKEN``) and shows only authentic values.
 
 :func:`read_store_status` works on any store object with those methods (a handler's own store
 as well as a fresh client); :func:`read_job_status` is the backend's status reader that
@@ -23,6 +25,7 @@ from typing import Any
 
 from elastrun.observe.status_doc import status_document
 from elastrun.rendezvous.api import RendezvousConnectionError, RendezvousError, RendezvousParameters
+from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth, load_token
 from elastrun.rendezvous.c10d import split_endpoint
 
 #: A member whose heartbeat is older than this is shown as ``silent`` (the default heartbeat
@@ -30,6 +33,8 @@ from elastrun.rendezvous.c10d import split_endpoint
 SILENT_AFTER = 5.0
 #: How many closed rounds back the reader looks for the latest round with a published result.
 ROUNDS_BACK = 32
+#: How many rounds the reader walks from round 0 when ``current`` cannot be trusted.
+MAX_ROUNDS_WALKED = 10_000
 
 DEFAULT_PORTS = {"c10d": 29400, "static": 29500}
 
@@ -44,9 +49,10 @@ class JobNotFoundError(RendezvousError):
 class _Reader:
     """Read-only views of the job's keys (the key layout mirrors the c10d handler's)."""
 
-    def __init__(self, store: Any, run_id: str) -> None:
+    def __init__(self, store: Any, auth: JobAuth | NoAuth) -> None:
         self.store = store
-        self.prefix = f"/elastrun/{run_id}/"
+        self.auth = auth
+        self.prefix = auth.prefix
 
     def key(self, *parts: object) -> str:
         return self.prefix + "/".join(str(p) for p in parts)
@@ -54,38 +60,45 @@ class _Reader:
     def exists(self, key: str) -> bool:
         return bool(self.store.check([key]))
 
-    def text(self, key: str) -> str | None:
+    def raw(self, key: str) -> bytes | None:
         if not self.exists(key):
             return None
         try:
-            return self.store.get(key).decode()
+            return self.store.get(key)
         except Exception:  # deleted between check and get (a heartbeat key at agent exit)
             return None
 
+    def text(self, key: str) -> str | None:
+        """The authentic value under ``key`` (None: absent or not authentic)."""
+        return self.auth.open(key, self.raw(key))
+
     def number(self, key: str) -> int:
-        raw = self.text(key)
-        return int(raw) if raw not in (None, "") else 0
+        """A counter (written with ``add``, so it carries no MAC)."""
+        raw = self.raw(key)
+        return int(raw) if raw not in (None, b"") else 0
 
     def texts(self, keys: list[str]) -> list[str | None]:
         present = [k for k in keys if self.exists(k)]
-        values = dict(zip(present, (v.decode() for v in self.store.multi_get(present)), strict=True)) if present else {}
-        return [values.get(k) for k in keys]
+        values = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
+        return [self.auth.open(k, values.get(k)) for k in keys]
 
 
-def read_store_status(store: Any, run_id: str, endpoint: str = "", backend: str = "c10d") -> dict[str, Any]:
+def read_store_status(store: Any, run_id: str, endpoint: str = "", backend: str = "c10d",
+                      auth: JobAuth | NoAuth | None = None) -> dict[str, Any]:
     """A JSON-able snapshot of job ``run_id`` from ``store``; :class:`JobNotFoundError` if it has none.
 
-    The document's fields are listed in docs/observe.md (``elastrun status --json``).
+    ``auth`` is the job's sealer (None: a job without a token).  The document's fields are listed
+    in docs/observe.md (``elastrun status --json``).
     """
-    r = _Reader(store, run_id)
+    r = _Reader(store, auth or NoAuth(run_id))
     if not (r.exists(r.key("current")) or r.exists(r.key("agents"))):
         raise JobNotFoundError(
             f"no job {run_id!r} at {endpoint or 'the store'} (the store answers, but no agent of that "
             "--rdzv-id has joined it); check --rdzv-id"
         )
     now = time.time()
-    open_round = r.number(r.key("current"))
-    finished = r.exists(r.key("finished"))
+    open_round = _open_round(r)
+    finished = r.text(r.key("finished")) is not None
     closed = _latest_result(r, open_round)
     nodes = [] if closed is None else _members(r, closed[0], closed[1]["members"], now, finished)
     joined = r.number(r.key(f"r{open_round}", "joined"))
@@ -96,6 +109,17 @@ def read_store_status(store: Any, run_id: str, endpoint: str = "", backend: str 
         aborted=r.text(r.key("abort")), closed=closed, nodes=nodes,
         waiting=[json.loads(raw) for raw in infos if raw],
     )
+
+
+def _open_round(r: _Reader) -> int:
+    """``current``; when it is missing or not authentic, the first round without a result."""
+    current = r.text(r.key("current"))
+    if current is not None:
+        return int(current)
+    round_ = 0
+    while round_ < MAX_ROUNDS_WALKED and r.exists(r.key(f"r{round_}", "result")):
+        round_ += 1
+    return round_
 
 
 def _latest_result(r: _Reader, open_round: int) -> tuple[int, dict[str, Any]] | None:
@@ -188,9 +212,17 @@ def read_job_status(params: RendezvousParameters, timeout: float = 3.0) -> dict[
     the store cannot be reached and :class:`JobNotFoundError` when it holds no such job.
     """
     host, port = split_endpoint(params.endpoint or "127.0.0.1", DEFAULT_PORTS.get(params.backend, 29400))
+    token = JobToken(load_token(params.config.get("token_file")), params.run_id)
     store = _client(host, port, timeout)
     try:
-        return read_store_status(store, params.run_id, f"{host}:{port}", params.backend)
+        marker_key = token.marker_key()
+        if not store.check([marker_key]):
+            raise JobNotFoundError(
+                f"no job {params.run_id!r} at {host}:{port} (the store answers, but no agent of that "
+                "--rdzv-id has joined it); check --rdzv-id"
+            )
+        auth = token.accept(store.get(marker_key), f"{host}:{port}")
+        return read_store_status(store, params.run_id, f"{host}:{port}", params.backend, auth)
     except RendezvousError:
         raise
     except Exception as exc:

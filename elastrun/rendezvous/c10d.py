@@ -38,6 +38,7 @@ from elastrun.rendezvous.api import (
     RoundChange,
     RoundResult,
 )
+from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth, load_token
 from elastrun.rendezvous.keepalive import Heartbeat, RingWatch
 from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, judge_round_end, member_view
 
@@ -50,6 +51,7 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     "read_timeout": 60.0,
     "host_linger": 30.0,
     "is_host": None,
+    "token_file": None,
 }
 #: torchrun's names accepted as aliases.
 CONFIG_ALIASES = {"keep_alive_interval": "heartbeat_interval", "timeout": "join_timeout"}
@@ -119,6 +121,23 @@ def route_address(host: str, port: int) -> str:
             return socket.gethostname()
 
 
+def listen_on(addr: str) -> int:
+    """A listening TCP socket on ``addr`` (any free port), handed over as a file descriptor.
+
+    ``TCPStore`` itself binds every interface whatever host it is given; a store created on this
+    descriptor listens only where the agents said this node can be reached.
+    """
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(sockaddr)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()
+
+
 def parse_config(params: RendezvousParameters, extra_keys: dict[str, Any] | None = None) -> dict[str, Any]:
     """Typed ``--rdzv-conf`` values; unknown keys are an error that lists the known ones."""
     defaults = dict(CONFIG_DEFAULTS)
@@ -181,9 +200,12 @@ class StoreRendezvousHandler(RendezvousHandler):
         self.join_timeout = float(self.conf["join_timeout"])
         self.store_host, self.store_port = host, port
         self.local_addr = params.local_addr or route_address(host, port)
-        self._prefix = f"/elastrun/{self.run_id}/"
+        token = JobToken(load_token(self.conf["token_file"], self.warn), self.run_id)
         self._server = None
         self._store = self._connect(host, port, is_host)
+        self._auth = self._authenticate(token)
+        self._auth.on_forged = self._report_forged
+        self._prefix = self._auth.prefix
         self._hb_store = self._store.clone()
         self._node: NodeInfo | None = None
         self._round: int | None = None
@@ -236,6 +258,27 @@ class StoreRendezvousHandler(RendezvousHandler):
             f"(join_timeout): is the agent on {host} running and is --rdzv-endpoint right? last error: {last_error}"
         )
 
+    def _authenticate(self, token: JobToken) -> JobAuth | NoAuth:
+        """Publish (store host) or read (others) the job's ``auth`` marker and check this node's token.
+
+        Raises :class:`~elastrun.rendezvous.auth.JobTokenRejected` when the token does not match.
+        """
+        key = token.marker_key()
+        if self._server is not None:
+            marker = self._store.compare_set(key, "", token.new_marker())
+        else:
+            if not self._wait(key, self.join_timeout):
+                raise RendezvousTimeoutError(
+                    f"the rendezvous store at {self.store_host}:{self.store_port} holds no job {self.run_id!r} "
+                    f"after {self.join_timeout:g} s (join_timeout); is --rdzv-id right?"
+                )
+            marker = self._store.get(key)
+        return token.accept(marker, f"{self.store_host}:{self.store_port}")
+
+    def _report_forged(self, key: str, why: str) -> None:
+        self.warn(f"ignored a value in the rendezvous store that is not authentic: {key} ({why})",
+                  kind="forged_value", key=key, why=why)
+
     def store_lost_error(self, exc: BaseException) -> RendezvousConnectionError:
         return RendezvousConnectionError(
             f"lost the rendezvous store at {self.store_host}:{self.store_port} ({exc}). The c10d backend keeps "
@@ -257,6 +300,34 @@ class StoreRendezvousHandler(RendezvousHandler):
 
     def _get(self, key: str, store=None) -> bytes:
         return (store or self._store).get(key)
+
+    def _put(self, key: str, value: str, store=None) -> None:
+        """Write ``value`` under ``key``, sealed with the job token when there is one."""
+        (store or self._store).set(key, self._auth.seal(key, value))
+
+    def _read(self, key: str, store=None) -> str | None:
+        """The authentic value under ``key``, or None when it is absent or not authentic (reported once)."""
+        store = store or self._store
+        if not store.check([key]):
+            return None
+        return self._auth.open(key, store.get(key))
+
+    def _claim(self, key: str, value: str, store=None) -> tuple[bool, str | None]:
+        """``compare_set`` ``key`` from absent to ``value``: (whether this call won, the authentic value now)."""
+        sealed = self._auth.seal(key, value)
+        raw = (store or self._store).compare_set(key, "", sealed)
+        won = raw == (sealed.encode() if isinstance(sealed, str) else sealed)
+        return won, value if won else self._auth.open(key, raw)
+
+    def _append(self, key: str, line: str, store=None) -> None:
+        (store or self._store).append(key, self._auth.seal_line(key, line))
+
+    def _lines(self, key: str, store=None) -> list[str]:
+        """The authentic lines of the list under ``key`` (empty when absent)."""
+        store = store or self._store
+        if not store.check([key]):
+            return []
+        return self._auth.open_lines(key, store.get(key))
 
     def _wait(self, key: str, timeout: float) -> bool:
         """Block until ``key`` exists or ``timeout`` passes."""
@@ -286,7 +357,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         assert self._node is not None
         self._hb_counter += 1
         store = self._hb_store
-        store.set(self._k("hb", self._node.node_id), f"{self._hb_counter}:{time.time():.3f}")
+        self._put(self._k("hb", self._node.node_id), f"{self._hb_counter}:{time.time():.3f}", store)
         self._error = None
         with self._lock:
             round_, ring = self._round, list(self._ring)
@@ -298,14 +369,13 @@ class StoreRendezvousHandler(RendezvousHandler):
         # Watch the first successor not already known dead.
         for step in range(1, len(ring)):
             target = ring[(me + step) % len(ring)]
-            if not self._exists(self._r(round_, "dead", target), store):
+            if self._read(self._r(round_, "dead", target), store) is None:
                 break
         else:
             return
         self._watch.retarget(target)
         key = self._k("hb", target)
-        value = self._get(key, store) if self._exists(key, store) else None
-        if self._watch.observe(value):
+        if self._watch.observe(self._read(key, store)):
             self._declare_gone(round_, target, f"dead:{self._node.node_id}", store)
             self._watch.retarget(None)
 
@@ -313,9 +383,13 @@ class StoreRendezvousHandler(RendezvousHandler):
         """Mark ``node_id`` as gone from ``round_`` (once) and wake the round's members."""
         store = store or self._store
         key = self._r(round_, "dead", node_id)
-        if store.compare_set(key, "", marker) != marker.encode():
-            return False
-        store.append(self._r(round_, "gone_list"), node_id + "\n")
+        won, current = self._claim(key, marker, store)
+        if not won:
+            if current is not None:
+                return False
+            # Whatever holds the key is not authentic (a forged marker): replace it.
+            self._put(key, marker, store)
+        self._append(self._r(round_, "gone_list"), node_id, store)
         store.add(self._r(round_, "gone"), 1)
         store.add(self._r(round_, "signal"), 1)
         return True
@@ -334,7 +408,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         member_of = self._round
         if self._result is not None:
             node.prev_group_rank = self._result.group_rank
-        round_ = self._count(self._k("current"))
+        round_ = self._open_round(member_of)
         while True:
             if time.monotonic() >= deadline:
                 raise self._timeout_error(round_)
@@ -342,11 +416,11 @@ class StoreRendezvousHandler(RendezvousHandler):
             rejoining = (
                 member_of is not None
                 and round_ == member_of + 1
-                and not self._exists(self._r(member_of, "dead", node.node_id))
+                and self._read(self._r(member_of, "dead", node.node_id)) is None
             )
             if rejoining:
                 self._store.add(self._r(round_, "rejoined"), 1)
-            self._store.set(self._r(round_, "node", idx), node.to_json())
+            self._put(self._r(round_, "node", idx), node.to_json())
             if round_ > 0:
                 self._store.add(self._r(round_ - 1, "signal"), 1)
             size = self._await_close(round_, idx, deadline)
@@ -358,18 +432,26 @@ class StoreRendezvousHandler(RendezvousHandler):
                 # The round formed without a usable store (its rank-0 node died): it counts as
                 # this node's last round, so the next one waits for every member of it.
                 member_of = round_
-            round_ = max(round_ + 1, self._count(self._k("current")))
+            round_ = max(round_ + 1, self._open_round(member_of))
+
+    def _open_round(self, member_of: int | None) -> int:
+        """The open round (``current``).  When that value is missing or not authentic, the round after
+        this node's last one (or 0): the join loop walks on past rounds that are already closed."""
+        value = self._read(self._k("current"))
+        if value is not None:
+            return int(value)
+        return 0 if member_of is None else member_of + 1
 
     def _check_job_ended(self) -> None:
-        if self._exists(self._k("abort")):
-            summary = self._get(self._k("abort")).decode()
+        summary = self._read(self._k("abort"))
+        if summary is not None:
             raise JobFailedError("the job was ended by another node", summary, self._abort_code())
-        if self._exists(self._k("finished")):
+        if self._read(self._k("finished")) is not None:
             raise JobFinishedError(f"job {self.run_id!r} has already finished")
 
     def _abort_code(self) -> int:
-        key = self._k("abort_code")
-        return int(self._get(key)) if self._exists(key) else 1
+        code = self._read(self._k("abort_code"))
+        return int(code) if code else 1
 
     def _timeout_error(self, round_: int) -> RendezvousTimeoutError:
         joined = self._count(self._r(round_, "joined"))
@@ -379,16 +461,22 @@ class StoreRendezvousHandler(RendezvousHandler):
             f"{joined} joined; start the other agents or lower --nnodes"
         )
 
-    def _prev_members(self, round_: int) -> int | None:
-        if round_ == 0 or not self._exists(self._r(round_ - 1, "result")):
+    def _prev_members(self, round_: int) -> list[str] | None:
+        """Node ids of the members of round ``round_ - 1`` (None: no completed previous round)."""
+        raw = None if round_ == 0 else self._read(self._r(round_ - 1, "result"))
+        if raw is None:
             return None
-        doc = json.loads(self._get(self._r(round_ - 1, "result")))
-        return None if doc.get("abort") else len(doc["members"])
+        doc = json.loads(raw)
+        return None if doc.get("abort") else [m["node_id"] for m in doc["members"]]
 
     def _await_close(self, round_: int, idx: int, deadline: float) -> int:
-        """Wait until round ``round_`` closes; the first joiner (and, as a fallback, the others) closes it."""
+        """Wait until round ``round_`` closes; the first joiner (and, as a fallback, the others) closes it.
+
+        Returns the highest arrival index admitted to the round.
+        """
         closed_key = self._r(round_, "closed")
-        prev_members = self._prev_members(round_)
+        prev = self._prev_members(round_)
+        slots = _Slots()
         min_reached: float | None = None
         poll = _CLOSER_POLL if idx == 1 else _FOLLOWER_POLL
         next_check = time.monotonic() if idx == 1 else time.monotonic() + poll
@@ -396,8 +484,9 @@ class StoreRendezvousHandler(RendezvousHandler):
             now = time.monotonic()
             if now >= deadline:
                 raise self._timeout_error(round_)
-            if self._exists(closed_key):
-                return int(self._get(closed_key).decode().split(":")[0])
+            closed = self._read(closed_key)
+            if closed is not None:
+                return int(closed.split(":")[0])
             if self._error is not None:
                 raise self.store_lost_error(self._error)
             if now >= next_check:
@@ -406,71 +495,101 @@ class StoreRendezvousHandler(RendezvousHandler):
                 if joined >= self.min_nodes and min_reached is None:
                     min_reached = now
                 accounted = 0
-                if prev_members is not None:
+                if prev is not None:
                     accounted = (
                         self._count(self._r(round_, "rejoined"))
                         + self._count(self._r(round_ - 1, "gone"))
                         + self._count(self._r(round_ - 1, "done"))
                     )
-                size = close_size(
-                    CloseInputs(
-                        joined=joined,
-                        min_nodes=self.min_nodes,
-                        max_nodes=self.max_nodes,
-                        prev_members=prev_members,
-                        prev_accounted=accounted,
-                        since_min=None if min_reached is None else now - min_reached,
-                        last_call=float(self.conf["last_call_timeout"]),
-                    )
+                inputs = CloseInputs(
+                    joined=joined,
+                    min_nodes=self.min_nodes,
+                    max_nodes=self.max_nodes,
+                    prev_members=None if prev is None else len(prev),
+                    prev_accounted=accounted,
+                    since_min=None if min_reached is None else now - min_reached,
+                    last_call=float(self.conf["last_call_timeout"]),
                 )
+                size = close_size(inputs)
+                admitted = None
+                if size is not None and self._auth.enabled:
+                    # The counters are hints anyone can bump: decide on authentic values only.
+                    size, admitted = self._verified_close(round_, inputs, prev, slots)
                 if size is not None:
-                    token = f"{size}:{self._node.node_id}"
-                    won = self._store.compare_set(closed_key, "", token).decode()
-                    if won == token:
-                        self._store.set(self._k("current"), str(round_ + 1))
-                        self._publish_result(round_, size, prev_members is not None)
-                    return int(won.split(":")[0])
+                    last = size if admitted is None else admitted[-1][0]
+                    won, value = self._claim(closed_key, f"{last}:{self._node.node_id}")
+                    if won:
+                        self._put(self._k("current"), str(round_ + 1))
+                        self._publish_result(round_, last, prev is not None, admitted)
+                        return last
+                    if value is not None:
+                        return int(value.split(":")[0])
                 next_check = now + poll
-            if idx == 1:
+            if idx == 1 or self._exists(closed_key):
                 time.sleep(_CLOSER_POLL)
             else:
                 self._wait(closed_key, min(_FOLLOWER_POLL, max(0.0, deadline - time.monotonic())))
 
-    def _failures(self, round_: int) -> list[FailureRecord]:
-        key = self._r(round_, "fail_list")
-        if not self._exists(key):
-            return []
-        node_ids = [n for n in self._get(key).decode().split("\n") if n]
-        values = self._store.multi_get([self._r(round_, "fail", n) for n in node_ids])
-        return [FailureRecord.from_json(v) for v in values]
+    def _verified_close(
+        self, round_: int, hints: CloseInputs, prev: list[str] | None, slots: _Slots
+    ) -> tuple[int | None, list[tuple[int, NodeInfo]] | None]:
+        """With a job token: the close decision taken again on authentic joins, departures and finishes.
 
-    def _publish_result(self, round_: int, size: int, has_prev: bool) -> None:
-        keys = [self._r(round_, "node", i) for i in range(1, size + 1)]
-        try:
-            # A joiner writes its info right after taking its slot; allow a moment for the last ones.
-            self._store.wait(keys, datetime.timedelta(seconds=_SLOT_WAIT))
-            raw = self._store.multi_get(keys)
-        except Exception:
-            # A joiner died between taking a slot and filling it: leave it out of the round.
-            raw = [self._get(k) for k in keys if self._exists(k)]
-        members = assign_ranks([NodeInfo.from_json(v) for v in raw])
+        Returns (size, the admitted (arrival index, info) pairs), or (None, None) to keep waiting.
+        """
+        infos = slots.read(self, round_, hints.joined)
+        if infos is None:
+            return None, None
+        accounted = 0
+        if prev is not None:
+            prev_ids = set(prev)
+            present = {info.node_id for _, info in infos}
+            gone = set(self._lines(self._r(round_ - 1, "gone_list")))
+            done = set(self._lines(self._r(round_ - 1, "done_list")))
+            accounted = len((present | gone | done) & prev_ids)
+        size = close_size(dataclasses.replace(hints, joined=len(infos), prev_accounted=accounted))
+        if not size:
+            return None, None
+        return size, infos[:size]
+
+    def _failures(self, round_: int) -> list[FailureRecord]:
+        node_ids = list(dict.fromkeys(self._lines(self._r(round_, "fail_list"))))
+        if not node_ids:
+            return []
+        keys = [self._r(round_, "fail", n) for n in node_ids]
+        values = [self._auth.open(k, v) for k, v in zip(keys, self._store.multi_get(keys), strict=True)]
+        return [FailureRecord.from_json(v) for v in values if v is not None]
+
+    def _publish_result(
+        self, round_: int, size: int, has_prev: bool, admitted: list[tuple[int, NodeInfo]] | None = None
+    ) -> None:
+        if admitted is not None:
+            nodes = [info for _, info in admitted]
+        else:
+            keys = [self._r(round_, "node", i) for i in range(1, size + 1)]
+            try:
+                # A joiner writes its info right after taking its slot; allow a moment for the last ones.
+                self._store.wait(keys, datetime.timedelta(seconds=_SLOT_WAIT))
+                raw = list(zip(keys, self._store.multi_get(keys), strict=True))
+            except Exception:
+                # A joiner died between taking a slot and filling it: leave it out of the round.
+                raw = [(k, self._get(k)) for k in keys if self._exists(k)]
+            nodes = [NodeInfo.from_json(v) for v in (self._auth.open(k, r) for k, r in raw) if v is not None]
+        members = assign_ranks(nodes)
         used = self._count(self._k("restarts_used"))
         abort = None
         lost: list[str] = []
         abort_code = 1
         if has_prev:
             failures = self._failures(round_ - 1)
-            gone = self._count(self._r(round_ - 1, "gone"))
-            if gone:
-                listing = self._get(self._r(round_ - 1, "gone_list")).decode()
-                lost = [n for n in listing.split("\n") if n]
+            lost = list(dict.fromkeys(self._lines(self._r(round_ - 1, "gone_list"))))
             streak_key = self._k("no_progress_streak")
-            streak = int(self._get(streak_key)) if self._exists(streak_key) else 0
-            verdict = judge_round_end(self.run_id, failures, gone, used, streak, self.params.max_restarts,
+            streak = int(self._read(streak_key) or 0)
+            verdict = judge_round_end(self.run_id, failures, len(lost), used, streak, self.params.max_restarts,
                                       self.params.crash_loop_limit)
             if verdict.restarts_used > used:
                 used = int(self._store.add(self._k("restarts_used"), verdict.restarts_used - used))
-            self._store.set(streak_key, str(verdict.no_progress_streak))
+            self._put(streak_key, str(verdict.no_progress_streak))
             abort, abort_code = verdict.abort, verdict.abort_code
         generation = int(self._store.add(self._k("generation"), 1)) - 1
         doc = {
@@ -483,18 +602,31 @@ class StoreRendezvousHandler(RendezvousHandler):
             "closed_at": time.time(),
         }
         doc["abort_code"] = abort_code
-        self._store.set(self._r(round_, "result"), json.dumps(doc))
+        self._put(self._r(round_, "result"), json.dumps(doc))
         if abort is not None:
-            self._store.set(self._k("abort_code"), str(abort_code))
-            self._store.set(self._k("abort"), abort)
+            self._put(self._k("abort_code"), str(abort_code))
+            self._put(self._k("abort"), abort)
+
+    def _await_value(self, key: str, deadline: float, give_up: float | None = None) -> str | None:
+        """Block until an authentic value is under ``key``; None once ``give_up`` (monotonic) passes."""
+        while True:
+            if self._wait(key, min(1.0, max(0.0, deadline - time.monotonic()))):
+                value = self._read(key)
+                if value is not None:
+                    return value
+                time.sleep(_CLOSER_POLL)  # a forged value holds the key: wait for the real one
+            now = time.monotonic()
+            if give_up is not None and now >= give_up:
+                return None
+            if now >= deadline:
+                raise TimeoutError
 
     def _await_result(self, round_: int, node: NodeInfo, deadline: float) -> RoundResult | None:
         """This node's view of closed round ``round_``; None when it turned out unusable for it."""
-        key = self._r(round_, "result")
-        while not self._wait(key, min(1.0, max(0.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                raise self._timeout_error(round_)
-        doc = json.loads(self._get(key))
+        try:
+            doc = json.loads(self._await_value(self._r(round_, "result"), deadline) or "{}")
+        except TimeoutError:
+            raise self._timeout_error(round_) from None
         if doc.get("abort"):
             raise JobFailedError("the job was ended", doc["abort"], int(doc.get("abort_code", 1)))
         members = [Member(**m) for m in doc["members"]]
@@ -506,19 +638,19 @@ class StoreRendezvousHandler(RendezvousHandler):
         if me.group_rank == 0:
             import torch.distributed as dist
 
-            self._worker_store = dist.TCPStore(
-                "0.0.0.0", 0, is_master=True, wait_for_workers=False, use_libuv=True
-            )
-            self._store.set(store_key, f"{me.addr}:{self._worker_store.port}")
-        store_deadline = time.monotonic() + _STORE_WAIT
-        while not self._wait(store_key, min(1.0, max(0.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                raise self._timeout_error(round_)
-            if time.monotonic() >= store_deadline:
-                host = next(m for m in members if m.group_rank == 0)
-                self._declare_gone(round_, host.node_id, f"dead:{node.node_id}")
-                return None
-        store_addr, _, store_port = self._get(store_key).decode().rpartition(":")
+            # The workers' store listens only on the address the agents use for this node.
+            self._worker_store = dist.TCPStore(me.addr, 0, is_master=True, wait_for_workers=False, use_libuv=True,
+                                               master_listen_fd=listen_on(me.addr))
+            self._put(store_key, f"{me.addr}:{self._worker_store.port}")
+        try:
+            address = self._await_value(store_key, deadline, time.monotonic() + _STORE_WAIT)
+        except TimeoutError:
+            raise self._timeout_error(round_) from None
+        if address is None:
+            host = next(m for m in members if m.group_rank == 0)
+            self._declare_gone(round_, host.node_id, f"dead:{node.node_id}")
+            return None
+        store_addr, _, store_port = address.rpartition(":")
         ordered = sorted(members, key=lambda m: m.group_rank)
         result = member_view(round_, doc, members, me, store_addr, int(store_port))
         with self._lock:
@@ -541,18 +673,26 @@ class StoreRendezvousHandler(RendezvousHandler):
             return RoundChange()
         self._seen_signal = signal
         change = RoundChange()
-        if self._exists(self._k("abort")):
-            change.aborted = self._get(self._k("abort")).decode()
+        aborted = self._read(self._k("abort"))
+        if aborted is not None:
+            change.aborted = aborted
             change.abort_exit_code = self._abort_code()
             return change
+        ring = set(self._ring)
         if self._count(self._r(round_, "gone")):
-            listing = self._get(self._r(round_, "gone_list")).decode()
-            change.lost_nodes = [n for n in listing.split("\n") if n]
+            lines = self._lines(self._r(round_, "gone_list"))
+            change.lost_nodes = [n for n in dict.fromkeys(lines) if n in ring]
         rejoined = self._count(self._r(round_ + 1, "rejoined"))
         joined = self._count(self._r(round_ + 1, "joined"))
-        change.new_round_requested = rejoined > 0
         waiting = joined - rejoined
-        if waiting > 0 and self._result.group_world_size < self.max_nodes:
+        below_max = self._result.group_world_size < self.max_nodes
+        if self._auth.enabled and (rejoined > 0 or (waiting > 0 and below_max)):
+            # The counters only say where to look: count the authentic joins of the next round.
+            infos = [info for _, info in _Slots().read(self, round_ + 1, joined, wait=False) or []]
+            rejoined = sum(1 for info in infos if info.node_id in ring)
+            waiting = len(infos) - rejoined
+        change.new_round_requested = rejoined > 0
+        if waiting > 0 and below_max:
             change.nodes_waiting = waiting
         return change
 
@@ -560,8 +700,8 @@ class StoreRendezvousHandler(RendezvousHandler):
     def report_failure(self, failure: FailureRecord) -> None:
         if self._round is None:
             return
-        self._store.set(self._r(self._round, "fail", failure.node_id), failure.to_json())
-        self._store.append(self._r(self._round, "fail_list"), failure.node_id + "\n")
+        self._put(self._r(self._round, "fail", failure.node_id), failure.to_json())
+        self._append(self._r(self._round, "fail_list"), failure.node_id)
 
     @_store_errors
     def leave(self, reason: str) -> None:
@@ -571,18 +711,24 @@ class StoreRendezvousHandler(RendezvousHandler):
 
     @_store_errors
     def finish(self, timeout: float) -> bool:
-        if self._round is None or self._result is None:
+        if self._round is None or self._result is None or self._node is None:
             return True
         round_ = self._round
         self._store.add(self._r(round_, "done"), 1)
+        if self._auth.enabled:
+            self._append(self._r(round_, "done_list"), self._node.node_id)
         deadline = time.monotonic() + timeout
         members = self._result.group_world_size
         while True:
             done = self._count(self._r(round_, "done")) + self._count(self._r(round_, "gone"))
+            if done >= members and self._auth.enabled:
+                ring = set(self._ring)
+                out = set(self._lines(self._r(round_, "done_list"))) | set(self._lines(self._r(round_, "gone_list")))
+                done = len(out & ring)
             if done >= members:
-                self._store.set(self._k("finished"), "1")
+                self._put(self._k("finished"), "1")
                 return True
-            if self._exists(self._r(round_ + 1, "closed")) or self._exists(self._k("abort")):
+            if self._read(self._r(round_ + 1, "closed")) is not None or self._read(self._k("abort")) is not None:
                 return False
             if time.monotonic() >= deadline:
                 return False
@@ -621,8 +767,8 @@ class StoreRendezvousHandler(RendezvousHandler):
         while time.monotonic() < deadline and self._count(self._k("agents")) > 0:
             pending = False
             for node_id, watch in watches.items():
-                key = self._k("hb", node_id)
-                if self._exists(key) and not watch.observe(self._get(key)):
+                beat = self._read(self._k("hb", node_id))
+                if beat is not None and not watch.observe(beat):
                     pending = True
             if not pending:
                 return
@@ -634,7 +780,42 @@ class StoreRendezvousHandler(RendezvousHandler):
         """The ``elastrun status --json`` document of this job (read-only; see docs/observe.md)."""
         from elastrun.observe.store_status import read_store_status
 
-        return read_store_status(self._store, self.run_id, f"{self.store_host}:{self.store_port}", self.backend_name)
+        return read_store_status(self._store, self.run_id, f"{self.store_host}:{self.store_port}", self.backend_name,
+                                 self._auth)
+
+
+class _Slots:
+    """The authentic joins of one round, read slot by slot as its ``joined`` counter grows (token only)."""
+
+    def __init__(self) -> None:
+        self._infos: dict[int, NodeInfo | None] = {}
+        self._empty_since: dict[int, float] = {}
+
+    def read(
+        self, handler: StoreRendezvousHandler, round_: int, joined: int, wait: bool = True
+    ) -> list[tuple[int, NodeInfo]] | None:
+        """(arrival index, info) of slots 1..``joined`` whose info is authentic, in arrival order.
+
+        A slot taken but not yet filled is a joiner between its two writes: with ``wait`` the
+        answer is None (ask again) until the slot has been empty for ``_SLOT_WAIT`` s, after which
+        it is left out, as a forged or dead join is.
+        """
+        now = time.monotonic()
+        pending = False
+        for idx in range(1, joined + 1):
+            if idx in self._infos:
+                continue
+            key = handler._r(round_, "node", idx)
+            if handler._exists(key):
+                raw = handler._read(key)
+                self._infos[idx] = NodeInfo.from_json(raw) if raw is not None else None
+            elif wait and now - self._empty_since.setdefault(idx, now) < _SLOT_WAIT:
+                pending = True
+            elif wait:
+                self._infos[idx] = None
+        if pending:
+            return None
+        return [(idx, info) for idx, info in sorted(self._infos.items()) if info is not None and idx <= joined]
 
 
 def validate_params(params: RendezvousParameters) -> None:

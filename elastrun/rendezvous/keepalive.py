@@ -16,28 +16,43 @@ from collections.abc import Callable
 
 
 class RingWatch:
-    """Tracks one successor's heartbeat counter and says when it went silent."""
+    """Tracks one successor's heartbeat counter and says when it went silent.
+
+    Only a counter larger than any seen before counts as a sign of life, so an old heartbeat
+    written again (a replay) does not keep a dead node alive.
+    """
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self.target: str | None = None
-        self._last_value: bytes | None = None
+        self._last_counter = -1
         self._last_change = time.monotonic()
 
     def retarget(self, node_id: str | None) -> None:
         if node_id != self.target:
             self.target = node_id
-            self._last_value = None
+            self._last_counter = -1
             self._last_change = time.monotonic()
 
-    def observe(self, value: bytes | None) -> bool:
-        """Feed the latest heartbeat value; True when the target is silent past the timeout."""
+    def observe(self, value: str | bytes | None) -> bool:
+        """Feed the latest heartbeat value (``counter:time``); True when the target is silent past the timeout."""
         now = time.monotonic()
-        if value is not None and value != self._last_value:
-            self._last_value = value
+        counter = _counter(value)
+        if counter is not None and counter > self._last_counter:
+            self._last_counter = counter
             self._last_change = now
             return False
         return now - self._last_change >= self.timeout
+
+
+def _counter(value: str | bytes | None) -> int | None:
+    if value is None:
+        return None
+    text = value.decode(errors="replace") if isinstance(value, bytes) else value
+    try:
+        return int(text.partition(":")[0])
+    except ValueError:
+        return None
 
 
 class Heartbeat(threading.Thread):

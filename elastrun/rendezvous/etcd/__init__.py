@@ -31,6 +31,7 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     "username": None,
     "password": None,
     "password_file": None,
+    "token_file": None,
 }
 #: torchrun's names (its etcd and c10d backends) accepted as aliases.
 CONFIG_ALIASES = {

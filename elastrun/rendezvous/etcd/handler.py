@@ -16,6 +16,11 @@ Keys (``P`` = ``/elastrun/<run_id>/``, ``Q`` = ``P/e/<incarnation>/``)::
     Q/r<R>/left/<node>      the node left for good (reason)
     Q/abort, Q/finished     the job ended
 
+With a job token (docs/rendezvous-protocol.md, "The job token") ``P/epoch`` also holds the job's
+auth marker, every value is sealed with the incarnation's session key, and a value that does not
+open is ignored (reported once).  The existence of a key cannot be authenticated: deleting a
+member's join key, or renewing or revoking its lease, takes etcd credentials to prevent (TLS, users).
+
 Keys without an agent lease carry the job lease, which every agent renews: when all agents are
 gone the job's keys expire on their own (``job_ttl``); a clean exit removes them at once (the
 last agent out deletes ``P``).  A new agent that finds no live agent under ``P/agents/`` starts a
@@ -52,7 +57,9 @@ from elastrun.rendezvous.api import (
     RoundChange,
     RoundResult,
 )
+from elastrun.rendezvous.auth import JobAuth, JobToken, JobTokenRejected, NoAuth, load_token
 from elastrun.rendezvous.etcd.client import (
+    KV,
     EtcdClient,
     EtcdSettings,
     EtcdUnavailable,
@@ -119,6 +126,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._warned_wait = False
         self._closed = False
         self._warn_lock = threading.Lock()
+        self._token = JobToken(load_token(conf["token_file"], self._warn), self.run_id)
+        self._auth: JobAuth | NoAuth = NoAuth(self.run_id)
         self._probe()
 
     # ------------------------------------------------------------------ plumbing
@@ -138,9 +147,30 @@ class EtcdRendezvousHandler(RendezvousHandler):
         join timeout.
         """
         try:
-            self._kv.range(self._p + "epoch", count_only=True)
+            epoch = self._kv.get(self._p + "epoch")
+            if epoch is not None and self._kv.count(self._p + "agents/") > 0:
+                # A running job: a node whose token does not match fails now, before anything starts.
+                self._token.accept(json.loads(epoch.value).get("auth", "none"), self.endpoints_text)
         except EtcdUnavailable:
             pass
+
+    def _seal(self, key: str, value: str) -> str:
+        return self._auth.seal(key, value)
+
+    def _open(self, kv: KV | None) -> str | None:
+        """The authentic value of ``kv`` (None: absent, or forged and reported once)."""
+        return None if kv is None else self._auth.open(kv.key, kv.value)
+
+    def _authentic(self, kvs: list[KV]) -> list[KV]:
+        """The entries of ``kvs`` whose values are authentic, values opened (all of them without a token)."""
+        if not self._auth.enabled:
+            return kvs
+        opened = ((kv, self._auth.open(kv.key, kv.value)) for kv in kvs)
+        return [dataclasses.replace(kv, value=value.encode()) for kv, value in opened if value is not None]
+
+    def _report_forged(self, key: str, why: str) -> None:
+        self.warn(f"ignored a value in etcd that is not authentic: {key} ({why})",
+                  kind="forged_value", key=key, why=why)
 
     def _retry(self, op, deadline: float, what: str):
         """Run ``op()`` until etcd answers or ``deadline``; then a connection error naming the endpoints."""
@@ -204,6 +234,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if epoch is not None:
             doc = json.loads(epoch.value)
             if live > 0 or doc["id"] == self._epoch:
+                self._accept(doc)
                 ok = self._kv.txn([cmp_mod(self._p + "epoch", epoch.mod_revision)],
                                   [op_put(agent_key, me, self._lease)])
                 if ok:
@@ -213,15 +244,29 @@ class EtcdRendezvousHandler(RendezvousHandler):
         job_lease = self._kv.grant(int(self.conf["job_ttl"]))
         new_id = uuid.uuid4().hex[:12]
         compare = [cmp_mod(self._p + "epoch", epoch.mod_revision if epoch else 0), cmp_range_empty(self._p + "agents/")]
-        doc = json.dumps({"id": new_id, "lease": job_lease})
-        ok = self._kv.txn(compare, [op_delete_prefix(self._p + "e/"), op_put(self._p + "epoch", doc, job_lease),
+        fresh = {"id": new_id, "lease": job_lease, "auth": self._token.new_marker()}
+        ok = self._kv.txn(compare, [op_delete_prefix(self._p + "e/"),
+                                    op_put(self._p + "epoch", json.dumps(fresh), job_lease),
                                     op_put(agent_key, me, self._lease)])
         if not ok:
             self._kv.revoke(job_lease)
             return False
+        self._accept(fresh)
         epoch = self._kv.get(self._p + "epoch")
         self._adopt(new_id, job_lease, epoch.mod_revision if epoch else 0)
         return True
+
+    def _accept(self, epoch_doc: dict) -> None:
+        """Check this node's token against the incarnation's auth marker and take its sealer.
+
+        Inside a round a mismatch ends this agent like a failed job (one line, exit 2); before
+        one, :meth:`_probe` raised it as a configuration error.
+        """
+        try:
+            self._auth = self._token.accept(epoch_doc.get("auth", "none"), self.endpoints_text)
+        except JobTokenRejected as exc:
+            raise JobFailedError(str(exc), str(exc), exit_code=2) from None
+        self._auth.on_forged = self._report_forged
 
     def _adopt(self, epoch_id: str, job_lease: int, epoch_rev: int) -> None:
         if epoch_id != self._epoch:
@@ -266,11 +311,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
         assert self._watch is not None
         self._check_job_ended(deadline)
         old_round = self._round
-        current = self._retry(lambda: self._kv.get(self._q + "current"), deadline, "read the open round")
-        round_ = int(current.value) if current else 0
+        current = self._open(self._retry(lambda: self._kv.get(self._q + "current"), deadline, "read the open round"))
+        # Missing or forged: the round after this node's last one (or 0); closed rounds are walked past.
+        round_ = int(current) if current else (0 if old_round is None else old_round + 1)
         while True:
             cursor = self._watch.seq
-            self._retry(lambda r=round_: self._kv.put(self._r(r, "join", node.node_id), node.to_json(), self._lease),
+            join_key = self._r(round_, "join", node.node_id)
+            self._retry(lambda k=join_key: self._kv.put(k, self._seal(k, node.to_json()), self._lease),
                         deadline, "join a round")
             doc = self._await_close(round_, cursor, deadline)
             if any(m["node_id"] == node.node_id for m in doc["members"]):
@@ -288,18 +335,18 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return result
 
     def _check_job_ended(self, deadline: float) -> None:
-        abort = self._retry(lambda: self._kv.get(self._q + "abort"), deadline, "read the job state")
+        abort = self._open(self._retry(lambda: self._kv.get(self._q + "abort"), deadline, "read the job state"))
         if abort is not None:
-            raise JobFailedError("the job was ended by another node", abort.value.decode(), self._abort_code())
-        if self._retry(lambda: self._kv.get(self._q + "finished"), deadline, "read the job state") is not None:
+            raise JobFailedError("the job was ended by another node", abort, self._abort_code())
+        if self._open(self._retry(lambda: self._kv.get(self._q + "finished"), deadline, "read the job state")):
             raise JobFinishedError(f"job {self.run_id!r} has already finished")
 
     def _abort_code(self) -> int:
         try:
-            found = self._kv.get(self._q + "abort_code")
+            found = self._open(self._kv.get(self._q + "abort_code"))
         except RendezvousError:
             return 1
-        return int(found.value) if found is not None else 1
+        return int(found) if found else 1
 
     def _timeout_error(self, round_: int, joined: int) -> RendezvousTimeoutError:
         return RendezvousTimeoutError(
@@ -326,14 +373,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._check_lease()
             if look or now >= next_recheck:
                 next_recheck = now + _RECHECK
-                found = self._retry(lambda: self._kv.get(result_key), deadline, "read the round")
+                found = self._open(self._retry(lambda: self._kv.get(result_key), deadline, "read the round"))
                 if found is not None:
-                    doc = json.loads(found.value)
+                    doc = json.loads(found)
                     if doc.get("abort"):
                         raise JobFailedError("the job was ended", doc["abort"], int(doc.get("abort_code", 1)))
                     return doc
-                first, joined = self._retry(lambda: self._kv.range(join_prefix, prefix_end(join_prefix), keys_only=True,
-                                                                     by_create=True, limit=1), deadline, "read joins")
+                first, joined = self._first_joiner(join_prefix, deadline)
                 mine = self._retry(lambda: self._kv.range(join_prefix + me)[0], deadline, "read joins")
                 if not mine:
                     raise _Reregister()  # our join key vanished (lease expired)
@@ -365,24 +411,45 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     time.monotonic() >= min_reached + float(self.conf["last_call_timeout"]):
                 look = True
 
+    def _first_joiner(self, join_prefix: str, deadline: float) -> tuple[list[KV], int]:
+        """The earliest join of a round (as a one-element list) and the number of joins.
+
+        With a token the earliest *authentic* join: a forged one must not make every real joiner
+        wait for a closer that does not exist.  Without an attack that is one value read.
+        """
+        if not self._auth.enabled:
+            return self._retry(lambda: self._kv.range(join_prefix, prefix_end(join_prefix), keys_only=True,
+                                                      by_create=True, limit=1), deadline, "read joins")
+        first, joined = self._retry(lambda: self._kv.range(join_prefix, prefix_end(join_prefix), by_create=True,
+                                                           limit=1), deadline, "read joins")
+        if first and self._open(first[0]) is None:
+            every, _ = self._retry(lambda: self._kv.range(join_prefix, prefix_end(join_prefix), by_create=True),
+                                   deadline, "read joins")
+            first = self._authentic(every)[:1]
+        return first, joined
+
     def _try_close(self, round_: int, min_reached: float | None, deadline: float) -> bool:
         """As the closer: apply the rules to the joiners and publish the result if the round may close."""
         join_prefix = self._r(round_, "join/")
         joiners, _ = self._retry(lambda: self._kv.range(join_prefix, prefix_end(join_prefix), by_create=True),
                                  deadline, "read joins")
+        joiners = self._authentic(joiners)
         prev_doc = None
         prev_members: list[str] = []
         accounted = 0
         gone = 0
         lost: list[str] = []
         if round_ > 0:
-            found = self._retry(lambda: self._kv.get(self._r(round_ - 1, "result")), deadline, "read the round")
+            found = self._open(self._retry(lambda: self._kv.get(self._r(round_ - 1, "result")), deadline,
+                                           "read the round"))
             if found is not None:
-                prev_doc = json.loads(found.value)
+                prev_doc = json.loads(found)
                 prev_members = [m["node_id"] for m in prev_doc["members"]]
         if prev_doc is not None:
             old = self._r(round_ - 1, "")
-            kvs, _ = self._retry(lambda: self._kv.range(old, prefix_end(old), keys_only=True), deadline, "read")
+            kvs, _ = self._retry(lambda: self._kv.range(old, prefix_end(old), keys_only=not self._auth.enabled),
+                                 deadline, "read")
+            kvs = self._authentic(kvs)
             still = {kv.key[len(old) + 5:] for kv in kvs if kv.key.startswith(old + "join/")}
             done = {kv.key[len(old) + 5:] for kv in kvs if kv.key.startswith(old + "done/")}
             ids = {kv.key[len(join_prefix):] for kv in joiners}
@@ -409,7 +476,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             used = int(prev_doc.get("restarts_used", 0))
             fail_prefix = self._r(round_ - 1, "fail/")
             kvs, _ = self._retry(lambda: self._kv.range(fail_prefix, prefix_end(fail_prefix)), deadline, "read")
-            failures = [FailureRecord.from_json(kv.value) for kv in kvs]
+            failures = [FailureRecord.from_json(kv.value) for kv in self._authentic(kvs)]
             verdict = judge_round_end(self.run_id, failures, gone, used, int(prev_doc.get("no_progress_streak", 0)),
                                       self.params.max_restarts, self.params.crash_loop_limit)
             used, streak = verdict.restarts_used, verdict.no_progress_streak
@@ -420,14 +487,23 @@ class EtcdRendezvousHandler(RendezvousHandler):
             "abort_code": abort_code, "no_progress_streak": streak, "lost": lost,
             "closed_at": time.time(),
         })
-        ops = [op_put(self._r(round_, "result"), doc, self._job_lease),
-               op_put(self._q + "current", str(round_ + 1), self._job_lease)]
+        def put(key: str, value: str) -> dict[str, Any]:
+            return op_put(key, self._seal(key, value), self._job_lease)
+
+        result_key = self._r(round_, "result")
+        ops = [put(result_key, doc), put(self._q + "current", str(round_ + 1))]
         if round_ >= 2:
             ops.append(op_delete_prefix(self._r(round_ - 2, "")))
         if abort is not None:
-            ops.append(op_put(self._q + "abort_code", str(abort_code), self._job_lease))
-            ops.append(op_put(self._q + "abort", abort, self._job_lease))
-        return self._retry(lambda: self._kv.txn([cmp_absent(self._r(round_, "result"))], ops), deadline, "close")
+            ops.append(put(self._q + "abort_code", str(abort_code)))
+            ops.append(put(self._q + "abort", abort))
+        guard = cmp_absent(result_key)
+        if self._auth.enabled:
+            # A forged result in the way is replaced (if it is still the same forged value).
+            squatter = self._retry(lambda: self._kv.get(result_key), deadline, "read the round")
+            if squatter is not None and self._open(squatter) is None:
+                guard = cmp_mod(result_key, squatter.mod_revision)
+        return self._retry(lambda: self._kv.txn([guard], ops), deadline, "close")
 
     def _round_result(self, round_: int, doc: dict, cursor: int, deadline: float) -> RoundResult | None:
         """This node is a member: host or find the workers' store; None if group rank 0 was lost first."""
@@ -440,12 +516,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if me.group_rank == 0:
             import torch.distributed as dist
 
-            self._worker_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, use_libuv=True)
-            address = f"{me.addr}:{self._worker_store.port}"
+            from elastrun.rendezvous.c10d import listen_on
+
+            # The workers' store listens only on the address the agents use for this node.
+            self._worker_store = dist.TCPStore(me.addr, 0, is_master=True, wait_for_workers=False, use_libuv=True,
+                                               master_listen_fd=listen_on(me.addr))
+            address = self._seal(store_key, f"{me.addr}:{self._worker_store.port}")
             self._retry(lambda: self._kv.put(store_key, address, self._job_lease), deadline, "publish the store")
         while True:
             self._check_lease()
-            found = self._retry(lambda: self._kv.get(store_key), deadline, "read the store address")
+            found = self._open(self._retry(lambda: self._kv.get(store_key), deadline, "read the store address"))
             if found is not None:
                 break
             host_key = self._r(round_, "join", host.node_id)
@@ -455,7 +535,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 raise self._timeout_error(round_, len(members))
             self._watch.wait(cursor, min(1.0, max(0.0, deadline - time.monotonic())))
             cursor = self._watch.seq
-        store_addr, _, store_port = found.value.decode().rpartition(":")
+        store_addr, _, store_port = found.rpartition(":")
         result = member_view(round_, doc, members, me, store_addr, int(store_port))
         self._round, self._result = round_, result
         self._members = {m.node_id for m in members}
@@ -488,8 +568,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         join_now, join_next = self._r(round_, "join/"), self._r(round_ + 1, "join/")
         done_prefix = self._r(round_, "done/")
         for ev in events:
+            if ev.kind == "PUT" and self._auth.enabled and self._auth.open(ev.key, ev.value) is None:
+                continue  # a forged value: never acted on (reported once)
             if ev.key == self._q + "abort" and ev.kind == "PUT":
-                change.aborted = ev.value.decode()
+                change.aborted = self._auth.open(ev.key, ev.value)
                 change.abort_exit_code = self._abort_code()
             elif ev.key.startswith(done_prefix):
                 self._done.add(ev.key[len(done_prefix):])
@@ -517,16 +599,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
         change = RoundChange()
         assert self._round is not None and self._watch is not None
         try:
-            abort = self._kv.get(self._q + "abort")
+            abort = self._open(self._kv.get(self._q + "abort"))
             if abort is not None:
-                change.aborted = abort.value.decode()
+                change.aborted = abort
                 change.abort_exit_code = self._abort_code()
                 return change
             now_prefix, next_prefix = self._r(self._round, "join/"), self._r(self._round + 1, "join/")
             alive = {kv.key[len(now_prefix):] for kv in self._kv.range(now_prefix, prefix_end(now_prefix),
                                                                           keys_only=True)[0]}
-            joined = {kv.key[len(next_prefix):] for kv in self._kv.range(next_prefix, prefix_end(next_prefix),
-                                                                            keys_only=True)[0]}
+            nexts, _ = self._kv.range(next_prefix, prefix_end(next_prefix), keys_only=not self._auth.enabled)
+            joined = {kv.key[len(next_prefix):] for kv in self._authentic(nexts)}
         except (EtcdUnavailable, LeaseNotFound):
             return change
         self._watch.gap = False
@@ -544,14 +626,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if self._round is None:
             return
         key = self._r(self._round, "fail", failure.node_id)
-        self._write_soon(lambda: self._kv.put(key, failure.to_json(), self._job_lease), "record the failure")
+        value = self._seal(key, failure.to_json())
+        self._write_soon(lambda: self._kv.put(key, value, self._job_lease), "record the failure")
 
     def leave(self, reason: str) -> None:
         if self._round is None or self._node is None:
             return
         node_id, round_ = self._node.node_id, self._round
+        left_key = self._r(round_, "left", node_id)
         self._write_soon(lambda: self._kv.txn([], [
-            op_put(self._r(round_, "left", node_id), reason, self._job_lease),
+            op_put(left_key, self._seal(left_key, reason), self._job_lease),
             op_delete(self._r(round_, "join", node_id)),
         ]), "leave the job")
 
@@ -560,17 +644,22 @@ class EtcdRendezvousHandler(RendezvousHandler):
             return True
         round_, me = self._round, self._node.node_id
         deadline = time.monotonic() + timeout
-        self._retry(lambda: self._kv.put(self._r(round_, "done", me), "1", self._job_lease), deadline, "finish")
+        done_key, finished_key = self._r(round_, "done", me), self._q + "finished"
+        self._retry(lambda: self._kv.put(done_key, self._seal(done_key, "1"), self._job_lease), deadline, "finish")
         base = self._r(round_, "")
         while True:
             cursor = self._watch.seq
-            kvs, _ = self._retry(lambda: self._kv.range(base, prefix_end(base), keys_only=True), deadline, "finish")
-            done = {kv.key[len(base) + 5:] for kv in kvs if kv.key.startswith(base + "done/")}
+            kvs, _ = self._retry(lambda: self._kv.range(base, prefix_end(base), keys_only=not self._auth.enabled),
+                                 deadline, "finish")
+            done = {kv.key[len(base) + 5:] for kv in self._authentic([kv for kv in kvs
+                                                                      if kv.key.startswith(base + "done/")])}
             alive = {kv.key[len(base) + 5:] for kv in kvs if kv.key.startswith(base + "join/")}
             if all(m in done or m not in alive for m in self._members):
-                self._retry(lambda: self._kv.put(self._q + "finished", "1", self._job_lease), deadline, "finish")
+                self._retry(lambda: self._kv.put(finished_key, self._seal(finished_key, "1"), self._job_lease),
+                            deadline, "finish")
                 return True
-            if self._kv.get(self._r(round_ + 1, "result")) is not None or self._kv.get(self._q + "abort"):
+            if self._open(self._kv.get(self._r(round_ + 1, "result"))) is not None or \
+                    self._open(self._kv.get(self._q + "abort")) is not None:
                 return False
             if time.monotonic() >= deadline:
                 return False
@@ -613,17 +702,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
             return doc
         q = f"{self._p}e/{json.loads(epoch.value)['id']}/"
         doc["incarnation"] = q.rstrip("/").rsplit("/", 1)[1]
-        current = self._kv.get(q + "current")
-        open_round = int(current.value) if current else 0
+        current = self._open(self._kv.get(q + "current"))
+        open_round = int(current) if current else 0
         doc["open_round"] = open_round
         doc["waiting"] = self._kv.count(f"{q}r{open_round}/join/")
-        doc["finished"] = self._kv.get(q + "finished") is not None
-        abort = self._kv.get(q + "abort")
-        doc["aborted"] = abort.value.decode() if abort else None
+        doc["finished"] = self._open(self._kv.get(q + "finished")) is not None
+        doc["aborted"] = self._open(self._kv.get(q + "abort"))
         if open_round > 0:
-            found = self._kv.get(f"{q}r{open_round - 1}/result")
+            found = self._open(self._kv.get(f"{q}r{open_round - 1}/result"))
             if found is not None:
-                result = json.loads(found.value)
+                result = json.loads(found)
                 doc.update(round=open_round - 1, generation=result["generation"],
                            restarts_used=result["restarts_used"])
                 alive = {kv.key.rsplit("/", 1)[1] for kv in self._kv.range(

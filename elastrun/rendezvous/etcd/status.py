@@ -13,6 +13,9 @@ etcd-only ones:
 - ``lease_ttl`` and ``lease_ttl_left`` (per node): the agent lease's granted TTL and the whole
   seconds it has left.
 
+A job started with a job token seals its values: the reader needs the same token (``--rdzv-conf
+token_file=PATH`` or ``$ELASTRUN_JOB_TOKEN``) and drops every value that does not open.
+
 etcd agents have leases, not heartbeat time stamps, so a node's ``heartbeat_age`` is derived from
 its lease: granted TTL minus TTL left, an upper bound (in whole seconds, as etcd counts them) on
 the time since the agent last renewed its lease.
@@ -20,6 +23,7 @@ the time since the agent last renewed its lease.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import socket
@@ -29,6 +33,7 @@ from typing import Any
 
 from elastrun.observe.status_doc import status_document
 from elastrun.rendezvous.api import RendezvousConnectionError, RendezvousError, RendezvousParameters
+from elastrun.rendezvous.auth import JobToken, load_token
 
 #: What the document shows of a node waiting in the open round (from its NodeInfo).
 
@@ -104,12 +109,13 @@ def _lease_ttl(client: Any, lease: int) -> tuple[int, int]:
 
 
 def read_etcd_status(client: Any, run_id: str, endpoint: str = "", backend: str = "etcd",
-                     lease_budget: float = 3.0) -> dict[str, Any]:
+                     lease_budget: float = 3.0, token: JobToken | None = None) -> dict[str, Any]:
     """A JSON-able snapshot of job ``run_id`` through ``client`` (an :class:`EtcdClient`).
 
     Raises :class:`~elastrun.observe.store_status.JobNotFoundError` when etcd holds no such job.
     ``lease_budget`` bounds the seconds spent asking for members' lease TTLs (a huge job's
-    remaining members then show ``heartbeat_age`` null).
+    remaining members then show ``heartbeat_age`` null).  ``token`` is this reader's job token
+    (None: none); :class:`~elastrun.rendezvous.auth.JobTokenRejected` when it does not match the job's.
     """
     from elastrun.rendezvous.etcd.client import prefix_end
 
@@ -121,11 +127,22 @@ def read_etcd_status(client: Any, run_id: str, endpoint: str = "", backend: str 
     epoch = keys.get("epoch")
     if epoch is None:
         raise _job_not_found(run_id, endpoint)
-    incarnation = str(json.loads(epoch.value)["id"])
+    epoch_doc = json.loads(epoch.value)
+    incarnation = str(epoch_doc["id"])
+    auth = (token or JobToken(None, run_id)).accept(epoch_doc.get("auth", "none"), endpoint)
     q = f"e/{incarnation}/"
-    job = {k[len(q):]: kv for k, kv in keys.items() if k.startswith(q)}
+    job = {}
+    for k, kv in keys.items():
+        if k.startswith(q):
+            value = auth.open(kv.key, kv.value)  # a forged value is left out
+            if value is not None:
+                job[k[len(q):]] = dataclasses.replace(kv, value=value.encode())
     current = job.get("current")
-    open_round = int(current.value) if current is not None and current.value else 0
+    if current is not None and current.value:
+        open_round = int(current.value)
+    else:  # missing or forged: the round after the newest authentic result
+        closed_rounds = [int(k[1:-len("/result")]) for k in job if re.fullmatch(r"r\d+/result", k)]
+        open_round = max(closed_rounds, default=-1) + 1
     finished = "finished" in job
     closed = _latest_result(job, open_round)
     nodes = [] if closed is None else _members(client, job, closed[0], closed[1]["members"], finished,
@@ -209,9 +226,10 @@ def read_job_status(params: RendezvousParameters, timeout: float = 3.0) -> dict[
     """
     from elastrun.rendezvous.etcd.client import EtcdUnavailable
 
+    token = JobToken(load_token(params.config.get("token_file")), params.run_id)
     client, text = _client(params, timeout)
     try:
-        return read_etcd_status(client, params.run_id, text, params.backend, lease_budget=timeout)
+        return read_etcd_status(client, params.run_id, text, params.backend, lease_budget=timeout, token=token)
     except EtcdUnavailable as exc:
         raise RendezvousConnectionError(
             f"cannot read etcd at {text}: {_short_reason(str(exc))}; is etcd running there and does it "

@@ -1,0 +1,88 @@
+"""The job token on the etcd backend: a real job admits only nodes with its token and ignores forged values."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import pytest
+
+from elastrun.observe.events import read_log_dir
+from elastrun.observe.status import read_status
+from elastrun.rendezvous.api import RendezvousParameters
+from elastrun.rendezvous.auth import TOKEN_ENV, JobTokenRejected
+from elastrun.rendezvous.etcd.client import EtcdClient, EtcdSettings, Shared
+from tests.harness import base_env, read_steps, wait_until
+from tests.rendezvous.etcd_cluster import EtcdCluster, etcd_available
+from tests.rendezvous.hostile import Forger
+
+pytestmark = [
+    pytest.mark.etcd,
+    pytest.mark.skipif(not etcd_available(), reason="no etcd binary (apt-get install etcd-server)"),
+]
+
+TOKEN = "0f1e2d3c4b5a69788796a5b4c3d2e1f00112233445566778"
+STEPS = 120
+
+
+def test_etcd_job_with_a_token_rejects_other_tokens_and_ignores_forged_values(agents, tmp_path):
+    token_file = tmp_path / "job.token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    steps_dir, log_dir = tmp_path / "steps", tmp_path / "logs"
+    steps_dir.mkdir()
+    env = base_env(STEPS_LOG=str(steps_dir), STEPS=str(STEPS), STEP_SECONDS="0.05")
+    env.pop(TOKEN_ENV, None)
+    run_id = "etcd-token"
+    with EtcdCluster(1) as etcd:
+        bare = ["--nproc-per-node=1", "--rdzv-backend=etcd", f"--rdzv-endpoint={etcd.endpoints}",
+                f"--rdzv-id={run_id}", "--monitor-interval=0.1"]
+        flags = ["--nnodes=2", *bare, f"--rdzv-conf=token_file={token_file}", f"--log-dir={log_dir}"]
+        nodes = [agents.start(flags, env=env, name=f"node{i}") for i in range(2)]
+        wait_until(lambda: read_steps(steps_dir), 90, what="the first steps")
+
+        # Another token, and none: one line, exit 2, before anything starts.
+        for name, extra in (("wrong", {TOKEN_ENV: "a different token of some length"}), ("none", {})):
+            stranger = agents.start(["--nnodes=1:3", *bare], env={**env, **extra}, name=name)
+            assert stranger.wait(60) == 2, stranger.output()
+            lines = stranger.output().strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("elastrun: error: job token rejected"), lines
+
+        # Status needs the token.
+        params = RendezvousParameters("etcd", etcd.endpoints, run_id, 1, 1)
+        with pytest.raises(JobTokenRejected, match="requires a job token"):
+            read_status(params, 3.0)
+        params.config = {"token_file": str(token_file)}
+        doc = read_status(params, 3.0)
+        members = [n["node_id"] for n in doc["nodes"]]
+        assert len(members) == 2 and doc["world_size"] == 2, doc
+
+        # The stranger: an etcd client without the token writes forged values into the job's keys.
+        client = EtcdClient(EtcdSettings(endpoints=[("127.0.0.1", int(etcd.endpoints.rsplit(":", 1)[1]))]), Shared())
+        epoch = json.loads(client.get(f"/elastrun/{run_id}/epoch").value)
+        q = f"/elastrun/{run_id}/e/{epoch['id']}/"
+        forger = Forger(run_id, epoch["auth"].split(":")[1], put=client.put)
+        for _ in range(2):
+            forger.attack_etcd(q, doc["round"], members, tag=False)
+            forger.attack_etcd(q, doc["round"], members, tag=True)
+            time.sleep(0.3)
+        attacked_at = time.time()
+        after = read_status(params, 3.0)
+        assert [n["node_id"] for n in after["nodes"]] == members and after["aborted"] is None, after
+        assert after["round"] == doc["round"] and after["waiting"] == [], after
+
+        for node in nodes:
+            assert node.wait(120) == 0, node.output()
+        steps = read_steps(steps_dir)
+        assert sorted((s.rank, s.step) for s in steps) == [(r, i) for r in (0, 1) for i in range(STEPS)]
+        assert {(s.world, s.gen) for s in steps} == {(2, "0")}
+        assert max(s.t for s in steps) > attacked_at
+        events = read_log_dir(log_dir)
+        kinds = Counter(e["event"] for e in events)
+        assert kinds["round_closed"] == 2 and not kinds["restart"] and not kinds["node_lost"], kinds
+        assert not kinds["job_failed"]
+        forged = [e for e in events if e["event"] == "rendezvous_warning" and e.get("kind") == "forged_value"]
+        assert forged and len({(e["node"], e["key"]) for e in forged}) == len(forged), kinds
+        assert etcd.list_keys() == [], "the last agent out removes the job's keys, forged ones too"
+        print(f"etcd: forged writes tried: {forger.tries}; forged values reported: {len(forged)}; acted on: 0")
