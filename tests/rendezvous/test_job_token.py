@@ -165,7 +165,8 @@ def test_workers_store_listens_only_on_the_agents_address(agents, tmp_path):
     steps_dir.mkdir()
     env = base_env(STEPS_LOG=str(steps_dir), STEPS="100000", STEP_SECONDS="0.05")
     port = free_port()
-    host = agents.start(["--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=c10d",
+    # Exec'd workers: /proc/PID/environ of a forked worker shows the template's start-up environment.
+    host = agents.start(["--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=c10d", "--start-method=spawn",
                          f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=bind"], env=env)
     wait_until(lambda: read_steps(steps_dir), 60, what="first steps")
     master_port = int(_worker_env(host)["MASTER_PORT"])
