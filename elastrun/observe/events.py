@@ -34,6 +34,7 @@ EVENT_KINDS: dict[str, str] = {
     ),
     "worker_exit": "round, generation, rank, local_rank, pid, exitcode, signal",
     "worker_failure": "round, generation, rank, local_rank, exitcode, signal, message",
+    "teardown_fault": "round, rank, local_rank, exitcode (the script's, kept), fault, after (s since it returned)",
     "restart": "round, reason, restarts_used, max_restarts",
     "node_lost": "round (the first round without them), lost (node ids)",
     "nodes_waiting": "round, count",

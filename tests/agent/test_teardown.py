@@ -11,6 +11,7 @@ flags; and the guard that keeps destroyed process groups alive until the exit.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -32,13 +33,18 @@ def launch(tmp_path, flags: list[str], script: str, timeout: float = 120.0, **en
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_abort_after_the_script_returned_keeps_exit_0(tmp_path, method):
-    proc, _ = launch(tmp_path, ["--nproc-per-node=2", f"--start-method={method}"], TEARDOWN,
+    logs = tmp_path / "logs"
+    proc, _ = launch(tmp_path, ["--nproc-per-node=2", f"--start-method={method}", f"--log-dir={logs}"], TEARDOWN,
                      TEARDOWN="abort-after", TEARDOWN_RANK="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "work done 0" in proc.stdout and "work done 1" in proc.stdout
     warning = re.search(r"rank 1 killed by SIGABRT .* after its script returned with exit code 0", proc.stderr)
     assert warning, proc.stderr[-3000:]
     assert "starting a new round" not in proc.stderr
+    events = [json.loads(line) for path in logs.glob("events-*.jsonl") for line in path.read_text().splitlines()]
+    faults = [e for e in events if e["event"] == "teardown_fault"]
+    assert [(e["rank"], e["exitcode"], e["fault"]) for e in faults] == [(1, 0, "killed by SIGABRT")]
+    assert not [e for e in events if e["event"] in ("worker_failure", "restart")]
 
 
 def test_hang_after_the_script_returned_is_ended(tmp_path):
