@@ -111,7 +111,7 @@ def main() -> None:
     if info.rank == 0:
         digest = hashlib.sha256()
         for t in model.module.state_dict().values():
-            digest.update(t.detach().cpu().numpy().tobytes())
+            digest.update(bytes(t.detach().cpu().clone().untyped_storage()))  # no numpy needed
         print(f"done: {state.step} steps, final loss {loss.item():.4f}, parameters sha256 {digest.hexdigest()[:16]}")
 
 

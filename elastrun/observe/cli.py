@@ -1,7 +1,8 @@
 """``elastrun status`` and ``elastrun timeline``: argument parsing and exit codes.
 
 ``elastrun.cli`` hands over argv with the subcommand first.  Exit codes: 0 done, 1 the job or
-its logs could not be read (one line on stderr saying why), 2 bad command line.  Heavy imports
+its logs could not be read (one line on stderr saying why), 2 bad command line or a missing
+optional dependency (matplotlib: the ``timeline`` extra).  Heavy imports
 (torch for the store client, matplotlib for the picture) happen only in the subcommand that
 needs them.
 """
@@ -9,11 +10,13 @@ needs them.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
 import time
 
+_TIMELINE_EXTRA = "pip install 'elastrun[timeline]'"
 _ENV = {"backend": "PET_RDZV_BACKEND", "endpoint": "PET_RDZV_ENDPOINT", "id": "PET_RDZV_ID", "conf": "PET_RDZV_CONF"}
 
 
@@ -118,6 +121,10 @@ def status_main(argv: list[str]) -> int:
 def timeline_main(argv: list[str]) -> int:
     """``elastrun timeline LOG_DIR -o PNG [--html FILE] [--json FILE]``; returns the exit code."""
     args = _timeline_parser().parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"elastrun timeline: error: drawing the timeline needs matplotlib, which is not installed; "
+              f"install it with: {_TIMELINE_EXTRA}", file=sys.stderr)
+        return 2
     from elastrun.observe.timeline import load_timeline, render_png
 
     try:
@@ -138,7 +145,8 @@ def timeline_main(argv: list[str]) -> int:
                 fh.write(model_json(model))
             written.append(args.json_out)
     except ImportError as exc:
-        print(f"elastrun timeline: needs matplotlib (pip install 'elastrun[plot]'): {exc}", file=sys.stderr)
+        print(f"elastrun timeline: matplotlib failed to import ({exc}); reinstall it with: {_TIMELINE_EXTRA}",
+              file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"elastrun timeline: cannot write the output: {exc}", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -73,21 +74,54 @@ def comm_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _pickled(obj: Any, dev: torch.device) -> torch.Tensor:
+    """``obj`` pickled into a ``uint8`` tensor on ``dev``."""
+    data = bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    return torch.frombuffer(data, dtype=torch.uint8).to(dev)
+
+
+def _unpickled(payload: torch.Tensor) -> Any:
+    """The object pickled in the ``uint8`` tensor ``payload`` (on any device)."""
+    data = bytearray(payload.numel())
+    torch.frombuffer(data, dtype=torch.uint8).copy_(payload)
+    return pickle.loads(data)
+
+
 def all_gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (just ``[obj]`` without a multi-rank group)."""
+    """Every rank's ``obj`` (just ``[obj]`` without a multi-rank group).
+
+    Pickled into byte tensors and sent with two tensor all-gathers (lengths, then padded bytes),
+    not with ``all_gather_object``: torch's object collectives need numpy, which a plain
+    ``pip install elastrun`` does not bring.  Works on gloo and NCCL (tensors on the current GPU).
+    """
     if not active():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    dev = comm_device()
+    world = dist.get_world_size()
+    payload = _pickled(obj, dev)
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length)
+    sizes = [int(n.item()) for n in lengths]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
+    padded[: payload.numel()] = payload
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return [_unpickled(part[:size]) for part, size in zip(parts, sizes, strict=True)]
 
 
 def broadcast_obj(obj: Any, src: int) -> Any:
+    """``obj`` of rank ``src`` on every rank (tensor broadcasts of its pickle; no numpy needed)."""
     if not active():
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+    dev = comm_device()
+    payload = _pickled(obj, dev) if dist.get_rank() == src else None
+    length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=dev)
+    dist.broadcast(length, src=src)
+    if payload is None:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=dev)
+    dist.broadcast(payload, src=src)
+    return _unpickled(payload)
 
 
 def broadcast_bytes(buffer: torch.Tensor, src: int, chunk: int = 64 << 20) -> None:

@@ -8,6 +8,7 @@ written.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from typing import Any
@@ -116,6 +117,26 @@ def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:
     return [split_endpoint(member, DEFAULT_PORT) for member in members]
 
 
+def require_client(params: RendezvousParameters) -> None:
+    """Raise :class:`RendezvousConfigError` naming the extra when the etcd client library is missing.
+
+    ``etcd3gw`` comes with ``pip install 'elastrun[etcd]'``, not with the plain install; checked
+    before anything starts so that the user gets one line instead of an import traceback.
+    """
+    if importlib.util.find_spec("etcd3gw") is None:
+        raise RendezvousConfigError(
+            f"--rdzv-backend={params.backend} needs the etcd3gw package, which is not installed; "
+            "install it with: pip install 'elastrun[etcd]'"
+        )
+
+
+def validate_params(params: RendezvousParameters) -> None:
+    """Check the client library, the endpoints and ``--rdzv-conf`` without connecting anywhere."""
+    require_client(params)
+    parse_endpoints(params.endpoint)
+    parse_config(params)
+
+
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Factory for ``--rdzv-backend=etcd`` and ``etcd-v3``."""
     from elastrun.rendezvous.etcd.handler import EtcdRendezvousHandler
@@ -123,4 +144,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     return EtcdRendezvousHandler(params, parse_endpoints(params.endpoint), parse_config(params))
 
 
-__all__ = ["create_handler", "parse_config", "parse_endpoints", "read_job_status", "CONFIG_DEFAULTS"]
+__all__ = [
+    "create_handler", "parse_config", "parse_endpoints", "read_job_status", "require_client", "validate_params",
+    "CONFIG_DEFAULTS",
+]

@@ -76,8 +76,9 @@ def _probe(endpoints: list[tuple[str, int]], timeout: float) -> None:
 
 def _client(params: RendezvousParameters, timeout: float) -> tuple[Any, str]:
     """A cached :class:`EtcdClient` for the job's endpoints and ``--rdzv-conf`` (kept for ``--watch``)."""
-    from elastrun.rendezvous.etcd import parse_config, parse_endpoints
+    from elastrun.rendezvous.etcd import parse_config, parse_endpoints, require_client
 
+    require_client(params)
     endpoints = parse_endpoints(params.endpoint)
     conf = parse_config(params)
     cache_key = (tuple(endpoints), conf["protocol"], conf["ca_cert"], conf["client_cert"], conf["client_key"],
