@@ -63,6 +63,10 @@ _FOLLOWER_POLL = 1.0
 _SLOT_WAIT = 5.0
 #: How long members wait for group rank 0 to publish the workers' store before giving up on it.
 _STORE_WAIT = 15.0
+#: Longest single connection attempt to the job's store.  With thousands of agents connecting at
+#: once some are accepted only after TCP's SYN retries (1, 3, 7, 15 s): a shorter attempt would
+#: give up on a connection about to succeed and start over at the back of the queue.
+_CONNECT_WAIT = 30.0
 
 
 def split_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
@@ -246,7 +250,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         last_error: Exception | None = None
         while time.monotonic() < deadline:
             try:
-                connect_timeout = datetime.timedelta(seconds=max(1.0, min(10.0, deadline - time.monotonic())))
+                connect_timeout = datetime.timedelta(seconds=max(1.0, min(_CONNECT_WAIT, deadline - time.monotonic())))
                 store = dist.TCPStore(host, port, is_master=False, timeout=connect_timeout)
                 store.set_timeout(timeout)
                 return store

@@ -186,3 +186,24 @@ def _worker_env(host) -> dict[str, str]:
         if "MASTER_PORT" in env and env.get("RANK") == "0":
             return env
     raise AssertionError("no worker with MASTER_PORT found")
+
+
+def test_c10d_job_with_a_token_restarts_after_a_worker_failure(agents, tmp_path):
+    """A later round under a token: authentic rejoins, failure records and finishes close it."""
+    steps_dir = tmp_path / "steps"
+    steps_dir.mkdir()
+    env = base_env(STEPS_LOG=str(steps_dir), STEPS="30", STEP_SECONDS="0.02", CRASH_AT_STEP="10", CRASH_RANK="1",
+                   CRASH_ONCE_FILE=str(tmp_path / "crashed"), CKPT=str(tmp_path / "ckpt.json"))
+    env.pop(TOKEN_ENV, None)
+    port = free_port()
+    flags = [*_flags(port, "tok-restart", tmp_path), "--max-restarts=1"]
+    flags[0] = "--nnodes=2"
+    nodes = [agents.start(flags, env=env, name="host")]
+    wait_until(lambda: listening(port), 30, what="the store host to listen")
+    nodes.append(agents.start(flags, env=env, name="other"))
+    for node in nodes:
+        assert node.wait(120) == 0, node.output()
+    steps = read_steps(steps_dir)
+    assert {s.world for s in steps} == {2} and {s.gen for s in steps} == {"0", "1"}, steps
+    assert max(s.step for s in steps if s.gen == "1") == 29
+    assert "injected failure at step 10" in nodes[0].output() + nodes[1].output()
