@@ -202,7 +202,8 @@ def main() -> None:
     print("|---|---|---|---|")
     for client in dict.fromkeys(r.client for r in results):
         row = {r.launcher: r for r in results if r.client == client}
-        cells = [f"{row[w].exit_code}, {'yes' if row[w].survived else 'no'}"
+        cells = [f"{'none (still running)' if row[w].exit_code is None else row[w].exit_code}, "
+                 f"{'yes' if row[w].survived else 'no'}"
                  + (f" ({row[w].note})" if row[w].note else "") + f", {row[w].seconds:.0f} s" for w in LAUNCHERS]
         print(f"| {client} | {row[LAUNCHERS[0]].fault} | {cells[0]} | {cells[1]} |")
     if args.json:
