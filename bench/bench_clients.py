@@ -40,6 +40,8 @@ class Result:
     survived: bool
     seconds: float
     note: str = ""
+    #: The end of the launcher's output when the job did not come through (for the log, not the table).
+    tail: str = ""
 
 
 class Run:
@@ -134,7 +136,8 @@ def single_node(client: str, which: str, workdir: Path) -> Result:
         ok = code == 0 and killed and bool(re.search(resumed, out)) and bool(re.search(done, out))
         note = "" if ok else ("no worker of rank 1 found" if not killed else
                               "timed out" if code is None else "did not resume and finish")
-        return Result(client, which, "worker SIGKILL", code, ok, time.monotonic() - started, note)
+        return Result(client, which, "worker SIGKILL", code, ok, time.monotonic() - started, note,
+                      "" if ok else out[-2500:])
     finally:
         run.close()
 
@@ -159,7 +162,8 @@ def join_and_loss(which: str, workdir: Path) -> Result:
         if not stepped:
             code = a.wait(120)
             return Result("torchelastic", which, fault, code, False, time.monotonic() - started,
-                          f"the join failed (A exit {code}, B exit {b.proc.poll()})")
+                          f"the join failed (A exit {code}, B exit {b.proc.poll()})",
+                          f"--- A ---\n{a.output()[-2000:]}\n--- B ---\n{b.output()[-2000:]}")
         kill_tree(b.proc.pid)  # the node is gone: its agent and its workers
         b.proc.wait(10)
         lost_at = len(a.output())
@@ -167,7 +171,8 @@ def join_and_loss(which: str, workdir: Path) -> Result:
         rest = a.output()[lost_at:]
         ok = code == 0 and "world 1" in rest and "done: epoch 11" in rest
         note = "" if ok else ("timed out after the loss" if code is None else "did not finish after the loss")
-        return Result("torchelastic", which, fault, code, ok, time.monotonic() - started, note)
+        return Result("torchelastic", which, fault, code, ok, time.monotonic() - started, note,
+                      "" if ok else rest[-2500:])
     finally:
         a.close()
         if b is not None:
@@ -190,12 +195,15 @@ def main() -> None:
             finally:
                 subprocess.run(["rm", "-rf", str(workdir)], check=False)
             log(f"  exit {r.exit_code}, survived {r.survived}, {r.seconds:.1f} s {r.note}")
+            if r.tail:
+                log(f"  output:\n{r.tail}")
             results.append(r)
     print("| client | fault | torchrun: exit, came through | elastrun: exit, came through |")
     print("|---|---|---|---|")
     for client in dict.fromkeys(r.client for r in results):
         row = {r.launcher: r for r in results if r.client == client}
-        cells = [f"{row[w].exit_code}, {'yes' if row[w].survived else 'no'}"
+        cells = [f"{'none (still running)' if row[w].exit_code is None else row[w].exit_code}, "
+                 f"{'yes' if row[w].survived else 'no'}"
                  + (f" ({row[w].note})" if row[w].note else "") + f", {row[w].seconds:.0f} s" for w in LAUNCHERS]
         print(f"| {client} | {row[LAUNCHERS[0]].fault} | {cells[0]} | {cells[1]} |")
     if args.json:

@@ -79,9 +79,8 @@ def test_sbatch_job_is_preempted_checkpoints_requeues_and_resumes(slurm: SlurmCl
     preempted = time.time()
     slurm.run("scancel", "--batch", "--signal=USR1", job)  # what --signal=B:USR1@120 sends
 
-    def requeued() -> bool:
-        info = slurm.job(job)
-        return info["JobState"] == "PENDING" and info.get("Restarts") == "1"
+    def requeued() -> bool:  # pending again, or already past that when the test looks
+        return slurm.job(job).get("Restarts") == "1"
 
     wait_until(requeued, 90, what=f"job {job} requeued; output:\n{_read(out)[-3000:]}")
 
