@@ -11,6 +11,7 @@ beat is one write and three reads on the store).  ``--token`` runs the same with
 
     python -m bench.bench_rendezvous_scale --nodes 1024 --procs 4 [--token] [--repeat 3]
     python -m bench.bench_rendezvous_scale --auth-cost --nodes 256 1024 4096
+    python -m bench.bench_rendezvous_scale --store-capacity
 """
 
 from __future__ import annotations
@@ -195,7 +196,59 @@ def auth_cost(nodes: int, repeat: int = 2000) -> dict:
             "result_bytes": len(result)}
 
 
+def store_ops(port: int, threads: int, seconds: float) -> None:
+    """Child of :func:`store_capacity`: ``threads`` clients doing heartbeat-like set+get pairs."""
+    import datetime
+
+    import torch.distributed as dist
+
+    stores = [dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+              for _ in range(threads)]
+    counts = [0] * threads
+    sys.stdin.readline()
+    stop = time.monotonic() + seconds
+
+    def loop(i: int) -> None:
+        key = f"/bench/hb/{os.getpid()}-{i}"
+        while time.monotonic() < stop:
+            stores[i].set(key, f"{counts[i]}:{time.time():.3f}")
+            stores[i].get(key)
+            counts[i] += 2
+
+    workers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    print(json.dumps({"ops": sum(counts)}), flush=True)
+
+
+def store_capacity(procs: int, threads: int, seconds: float = 3.0) -> dict:
+    """Store operations per second one ``TCPStore`` served to ``procs`` x ``threads`` busy clients."""
+    import datetime
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True,
+                           timeout=datetime.timedelta(seconds=30))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "FATAL"}
+    children = [subprocess.Popen([PYTHON, "-m", "bench.bench_rendezvous_scale", "--store-ops", str(server.port),
+                                  str(threads), str(seconds)], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True) for _ in range(procs)]
+    time.sleep(3.0)
+    for c in children:
+        c.stdin.write("go\n")
+        c.stdin.flush()
+    ops = sum(json.loads(c.stdout.readline())["ops"] for c in children)
+    for c in children:
+        c.wait(30)
+    return {"clients": procs * threads, "store_ops_per_s": round(ops / seconds)}
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--store-ops":
+        store_ops(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         port, first, count, nodes, beat_seconds = sys.argv[2:7]
         child(int(port), int(first), int(count), int(nodes), float(beat_seconds))
@@ -207,7 +260,12 @@ def main() -> None:
     parser.add_argument("--token", action="store_true")
     parser.add_argument("--beat-seconds", type=float, default=5.0)
     parser.add_argument("--auth-cost", action="store_true", help="only the CPU cost of the token, per size")
+    parser.add_argument("--store-capacity", action="store_true",
+                        help="only the operations per second one TCPStore serves (4 processes x 8 clients)")
     args = parser.parse_args()
+    if args.store_capacity:
+        print(json.dumps(store_capacity(4, 8)), flush=True)
+        return
     if args.auth_cost:
         for nodes in args.nodes:
             print(json.dumps(auth_cost(nodes)), flush=True)

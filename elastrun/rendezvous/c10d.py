@@ -806,9 +806,14 @@ class _Slots:
         """
         now = time.monotonic()
         pending = False
-        for idx in range(1, joined + 1):
-            if idx in self._infos:
-                continue
+        unread = [idx for idx in range(1, joined + 1) if idx not in self._infos]
+        keys = [handler._r(round_, "node", idx) for idx in unread]
+        if keys and handler._store.check(keys):  # every slot filled: one read for all of them
+            for idx, key, raw in zip(unread, keys, handler._store.multi_get(keys), strict=True):
+                value = handler._auth.open(key, raw)
+                self._infos[idx] = NodeInfo.from_json(value) if value is not None else None
+            unread = []
+        for idx in unread:
             key = handler._r(round_, "node", idx)
             if handler._exists(key):
                 raw = handler._read(key)
