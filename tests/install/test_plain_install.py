@@ -3,7 +3,8 @@ command that needs a missing extra stops with one line naming it.
 
 The venv is built once per test session in a temporary directory: ``python -m venv --without-pip``,
 then this interpreter's pip installs the same torch as the dev venv (served from the local wheel
-directory) and a copy of the package with its runtime dependencies only.  No numpy, no etcd3gw,
+directory) and a copy of the package with its runtime dependencies only (about 20 s of CPU time,
+most of it unpacking torch).  No numpy, no etcd3gw,
 no matplotlib: the test checks that they are absent before it relies on it.
 """
 
@@ -29,7 +30,8 @@ _RESULT = re.compile(r"rank (\d) source (\S+) restored (\d+) step (\d+) epoch (\
 
 def _plain_env() -> dict[str, str]:
     """This environment without anything that would put the checkout or the dev venv on sys.path."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    drop = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE")  # .pyc written as for a user
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     return env
 
@@ -45,10 +47,15 @@ def plain_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(REPO / "elastrun", source / "elastrun", ignore=shutil.ignore_patterns("__pycache__"))
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
-    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
+    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-compile",
            f"torch=={metadata.version('torch')}", str(source)]
     res = subprocess.run(pip, capture_output=True, text=True, timeout=300, env=_plain_env())
     assert res.returncode == 0, f"pip install failed:\n{res.stderr[-3000:]}"
+    # Byte-compile only what is imported (processes write .pyc files as they import), not all of
+    # torch as pip would: one import here first, so that two workers do not both compile the bulk.
+    warm = "import torch, torch.distributed, torch.nn.parallel, elastrun.train, elastrun.launcher, elastrun.agent.agent"
+    subprocess.run([str(venv / "bin" / "python"), "-c", warm], env=_plain_env(), check=True, capture_output=True,
+                   timeout=120)
     return venv
 
 
