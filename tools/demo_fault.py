@@ -78,10 +78,14 @@ def report(audit: Path, log_dir: Path, samples: int) -> int:
                     for recs in [[r for r in by_attempt[0] if r["rank"] == rank]])
     restores = [r for r in by_attempt.get(1, []) if "restored" in r]
     restored = min((r["restored"] for r in restores), default=-1)
-    lost = max(0, committed - restored)
+    # commit(S) returns before its memory copy ends; S is safe at the latest once step S+1 reaches
+    # optimizer.step() (docs/train.md).  So S-1 is the newest step the kill could not take away.
+    lost = max(0, committed - 1 - restored)
     source = restores[0]["source"] if restores else None
-    print(f"committed:  last step committed on every rank before the kill: {committed}; restored: step "
-          f"{restored} (from {source}); committed steps lost: {lost}")
+    note = "" if restored >= committed or lost else (
+        f" (step {committed}'s background copy was still running when the job stopped: redone)")
+    print(f"committed:  last commit() on every rank before the kill: step {committed}; restored: step "
+          f"{restored} (from {source}); committed steps lost: {lost}{note}")
     ok &= lost == 0
     latest: dict[int, int] = {}  # step -> the last attempt that committed it (it replaces earlier ones)
     for attempt in sorted(by_attempt):
