@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
+import os
 import time
 
 import torch
@@ -25,7 +27,8 @@ import elastrun.train as et
 
 class GeneratedImages(torch.utils.data.Dataset):
     """``n`` 3×32×32 images in ``classes`` classes: a class-specific pattern plus noise.  Each
-    image is derived from its index alone, so every process sees the same dataset."""
+    image is derived from its index alone, so every process sees the same dataset.  Items are
+    ``(image, label, index)``: the index lets ``--audit-dir`` record which samples a step used."""
 
     def __init__(self, n: int, classes: int = 10, seed: int = 0) -> None:
         self.n, self.classes = n, classes
@@ -35,10 +38,29 @@ class GeneratedImages(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int, int]:
         label = i % self.classes
         g = torch.Generator().manual_seed(i)
-        return self.patterns[label] + 1.5 * torch.randn(3, 32, 32, generator=g), label
+        return self.patterns[label] + 1.5 * torch.randn(3, 32, 32, generator=g), label, i
+
+
+class Audit:
+    """With ``--audit-dir``: one JSON line per event of this process (its restore, then each
+    committed step with the sample indices it trained on) in ``samples-g<attempt>-r<rank>.jsonl``,
+    so that a checker can prove no committed step was lost and every sample was used once."""
+
+    def __init__(self, directory: str | None, rank: int) -> None:
+        self._fh = None
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            self._fh = open(os.path.join(directory, f"samples-g{attempt}-r{rank}.jsonl"), "a")  # noqa: SIM115
+        self._base = {"rank": rank, "pid": os.getpid()}
+
+    def write(self, **record: object) -> None:
+        if self._fh is not None:
+            self._fh.write(json.dumps({**self._base, "t": time.time(), **record}) + "\n")
+            self._fh.flush()
 
 
 class SmallCNN(torch.nn.Module):
@@ -65,6 +87,7 @@ def main() -> None:
     p.add_argument("--checkpoint-dir", default="runs/imagenet_style_ckpt")
     p.add_argument("--checkpoint-every", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--audit-dir", help="record restores and each committed step's samples here (tools/demo.sh)")
     a = p.parse_args()
 
     info = et.init_distributed()
@@ -83,6 +106,8 @@ def main() -> None:
     )
     t0 = time.monotonic()
     source = state.restore()
+    audit = Audit(a.audit_dir, info.rank)
+    audit.write(restored=state.step, source=source, world_size=info.world_size)
     if info.rank == 0:
         where = f"restored step {state.step} from {source}" if source else "fresh start"
         print(f"world size {info.world_size}: {where} (epoch {sampler.epoch}, sample {sampler.position})", flush=True)
@@ -90,7 +115,7 @@ def main() -> None:
     loss = torch.zeros(())
     while sampler.epoch < a.epochs:
         correct = seen = 0
-        for x, y in loader:
+        for x, y, index in loader:
             x, y = x.to(info.device), y.to(info.device)
             out = model(x)
             loss = F.cross_entropy(out, y)
@@ -99,7 +124,9 @@ def main() -> None:
             opt.step()
             correct += (out.argmax(1) == y).sum().item()
             seen += len(y)
+            epoch = sampler.epoch
             state.commit()
+            audit.write(step=state.step, epoch=epoch, samples=index.tolist())
             if info.rank == 0 and state.step % 10 == 0:
                 print(
                     f"step {state.step:4d}  epoch {sampler.epoch}  loss {loss.item():.4f}  "
