@@ -371,6 +371,6 @@ def render_png(model: Timeline, path: str | Path, dpi: int = 120) -> Path:
     fig.subplots_adjust(left=0.14, right=0.78, top=0.93, bottom=0.1)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")  # keep the legend beside the axes whole
     plt.close(fig)
     return path
