@@ -12,9 +12,34 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 from elastrun.rendezvous.api import NodeInfo
-from elastrun.rendezvous.auth import JobAuth, hkdf_sha256
+from elastrun.rendezvous.auth import TOKEN_ENV, JobAuth, hkdf_sha256
+from tests.harness import base_env
+
+
+@dataclass
+class TokenJob:
+    """The files and environment of a test job run with a job token (the token only in ``token_file``)."""
+
+    token_file: Path
+    steps_dir: Path
+    log_dir: Path
+    env: dict[str, str]
+
+
+def token_job(tmp_path: Path, token: str, steps: int) -> TokenJob:
+    """A private token file, a steps log directory and an environment without ``ELASTRUN_JOB_TOKEN``."""
+    token_file = tmp_path / "job.token"
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    steps_dir, log_dir = tmp_path / "steps", tmp_path / "logs"
+    steps_dir.mkdir()
+    env = base_env(STEPS_LOG=str(steps_dir), STEPS=str(steps), STEP_SECONDS="0.05")
+    env.pop(TOKEN_ENV, None)
+    return TokenJob(token_file, steps_dir, log_dir, env)
 
 
 class Forger:

@@ -13,9 +13,9 @@ from elastrun.observe.status import read_status
 from elastrun.rendezvous.api import RendezvousParameters
 from elastrun.rendezvous.auth import TOKEN_ENV, JobTokenRejected
 from elastrun.rendezvous.etcd.client import EtcdClient, EtcdSettings, Shared
-from tests.harness import base_env, read_steps, wait_until
+from tests.harness import read_steps, wait_until
 from tests.rendezvous.etcd_cluster import EtcdCluster, etcd_available
-from tests.rendezvous.hostile import Forger
+from tests.rendezvous.hostile import Forger, token_job
 
 pytestmark = [
     pytest.mark.etcd,
@@ -27,13 +27,8 @@ STEPS = 120
 
 
 def test_etcd_job_with_a_token_rejects_other_tokens_and_ignores_forged_values(agents, tmp_path):
-    token_file = tmp_path / "job.token"
-    token_file.write_text(TOKEN)
-    token_file.chmod(0o600)
-    steps_dir, log_dir = tmp_path / "steps", tmp_path / "logs"
-    steps_dir.mkdir()
-    env = base_env(STEPS_LOG=str(steps_dir), STEPS=str(STEPS), STEP_SECONDS="0.05")
-    env.pop(TOKEN_ENV, None)
+    job = token_job(tmp_path, TOKEN, STEPS)
+    token_file, steps_dir, log_dir, env = job.token_file, job.steps_dir, job.log_dir, job.env
     run_id = "etcd-token"
     with EtcdCluster(1) as etcd:
         bare = ["--nproc-per-node=1", "--rdzv-backend=etcd", f"--rdzv-endpoint={etcd.endpoints}",

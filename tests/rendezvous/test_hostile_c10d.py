@@ -9,9 +9,9 @@ from collections import Counter
 from elastrun.observe.events import read_log_dir
 from elastrun.observe.status import read_status
 from elastrun.rendezvous.api import RendezvousParameters
-from elastrun.rendezvous.auth import TOKEN_ENV, JobToken
-from tests.harness import base_env, free_port, listening, read_steps, wait_until
-from tests.rendezvous.hostile import Forger
+from elastrun.rendezvous.auth import JobToken
+from tests.harness import free_port, listening, read_steps, wait_until
+from tests.rendezvous.hostile import Forger, token_job
 
 TOKEN = "9b8a7c6d5e4f30112233445566778899aabbccddeeff0011"
 STEPS = 120
@@ -20,13 +20,8 @@ STEPS = 120
 def test_forged_joins_results_aborts_deaths_and_heartbeats_are_not_acted_on(agents, tmp_path):
     import torch.distributed as dist
 
-    token_file = tmp_path / "job.token"
-    token_file.write_text(TOKEN)
-    token_file.chmod(0o600)
-    steps_dir, log_dir = tmp_path / "steps", tmp_path / "logs"
-    steps_dir.mkdir()
-    env = base_env(STEPS_LOG=str(steps_dir), STEPS=str(STEPS), STEP_SECONDS="0.05")
-    env.pop(TOKEN_ENV, None)
+    job = token_job(tmp_path, TOKEN, STEPS)
+    token_file, steps_dir, log_dir, env = job.token_file, job.steps_dir, job.log_dir, job.env
     port, run_id = free_port(), "hostile"
     flags = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
              f"--rdzv-id={run_id}", f"--rdzv-conf=token_file={token_file}", f"--log-dir={log_dir}"]
