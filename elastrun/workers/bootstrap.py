@@ -86,10 +86,10 @@ def run_target(target: str, module: bool, error_file: str | None) -> None:
         code = 130
     if interrupted is None:
         report_exit(code)
+    else:
+        traceback.print_exception(interrupted)  # printed before the exit steps, as by the interpreter
     _python_shutdown()
     if interrupted is not None:
-        traceback.print_exception(interrupted)
-        _flush()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     os._exit(code)
