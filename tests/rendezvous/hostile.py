@@ -11,13 +11,15 @@ the next round), results, ``abort``, dead markers of the real members and heartb
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastrun.observe.events import read_log_dir
 from elastrun.rendezvous.api import NodeInfo
 from elastrun.rendezvous.auth import TOKEN_ENV, JobAuth, hkdf_sha256
-from tests.harness import base_env
+from tests.harness import base_env, read_steps
 
 
 @dataclass
@@ -121,3 +123,19 @@ class Forger:
         self.put(q + "abort", "job stopped by a stranger", tag)
         self.put(q + "abort_code", "3", tag)
         self.put(q + "finished", "1", tag)
+
+
+def assert_job_undisturbed(nodes: list, job: TokenJob, steps: int, attacked_at: float) -> list[dict]:
+    """The nodes exit 0 having run every step once per rank, in one world of 2, in generation 0,
+    past the attack, with no restart, loss or failure; returns the agents' events."""
+    for node in nodes:
+        assert node.wait(120) == 0, node.output()
+    ran = read_steps(job.steps_dir)
+    assert sorted((s.rank, s.step) for s in ran) == [(r, i) for r in (0, 1) for i in range(steps)]
+    assert {(s.world, s.gen) for s in ran} == {(2, "0")}
+    assert max(s.t for s in ran) > attacked_at
+    events = read_log_dir(job.log_dir)
+    kinds = Counter(e["event"] for e in events)
+    assert kinds["round_closed"] == 2 and not kinds["restart"] and not kinds["node_lost"], kinds
+    assert not kinds["job_failed"]
+    return events
