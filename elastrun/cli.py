@@ -12,14 +12,17 @@ flag has both spellings (``--nproc-per-node`` and ``--nproc_per_node``) and can 
 ``PET_<NAME>`` environment variable (what Kubeflow's PyTorchJob sets); a flag on the command line
 wins over the variable, which wins over the default.
 
-The parser is our own rather than argparse: its errors are one line naming the flag or variable
-the bad value came from, it never mistakes a script argument for a launcher option (argparse's
-prefix matching does), and it keeps start-up cheap (no torch, nothing from the launcher).  Every
-check happens here, before anything starts, so a mistake costs one line and exit status 2.
+The words are split by argparse (``allow_abbrev=False``, so a script argument is never taken for
+an abbreviated launcher flag).  What this module adds on top: each value remembers where it came
+from, so that every error is one line naming the flag or variable the bad value came from, an
+unknown flag gets a "did you mean", and start-up stays cheap (no torch, nothing from the
+launcher).  Every check happens here, before anything starts, so a mistake costs one line and exit
+status 2.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
@@ -36,6 +39,7 @@ from elastrun.config import (
     Std,
 )
 from elastrun.errors import UsageError
+from elastrun.hostprobe import count_gpus, cpu_count, torch_has_cuda
 
 PROG = "elastrun"
 #: First words that select an observation tool instead of a launch.
@@ -203,7 +207,6 @@ FLAGS: tuple[Flag, ...] = (
 )
 # fmt: on
 
-_BY_NAME: dict[str, Flag] = {name: flag for flag in FLAGS for name in flag.spellings}
 _BY_DEST: dict[str, Flag] = {flag.dest: flag for flag in FLAGS}
 _NO_ENV = ("help", "version")
 
@@ -229,71 +232,73 @@ class _Value:
         return self.source.startswith("-")
 
 
+class _Record(argparse.Action):
+    """Stores a flag's value as a :class:`_Value` that remembers the spelling it was given with."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        raw = True if self.nargs == 0 else values
+        setattr(namespace, self.dest, _Value(raw, option_string or self.option_strings[0]))
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse whose mistakes become :class:`UsageError` (one line) instead of usage and exit."""
+
+    def error(self, message: str):  # noqa: ANN201 - never returns
+        raise UsageError(f"{message}; see '{PROG} --help'")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False, exit_on_error=False)
+    for flag in FLAGS:
+        parser.add_argument(
+            *flag.spellings, dest=flag.dest, action=_Record, nargs=0 if flag.is_switch else None,
+            default=argparse.SUPPRESS,
+        )  # fmt: skip
+    parser.add_argument("entry", nargs="?", default=None)
+    parser.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
 def _tokenize(argv: Sequence[str]) -> tuple[dict[str, _Value], list[str]]:
     """Split argv into launcher flags and the entry point with its arguments.
 
-    The first word that is not a flag (or the word after ``--``) is the entry point; everything
-    after it is passed on untouched.  Accepted forms: ``--flag VALUE``, ``--flag=VALUE``,
-    ``-r VALUE``, ``-r3``, ``-r=3`` and bundled switches such as ``-qm``.
+    The first word that is not a flag or a flag's value (or the word after ``--``) is the entry
+    point; everything after it is passed on untouched.  argparse accepts ``--flag VALUE``,
+    ``--flag=VALUE``, ``-r VALUE``, ``-r3``, ``-r=3`` and bundled switches such as ``-qm``.
     """
-    given: dict[str, _Value] = {}
-    i = 0
-    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-":
-        arg = argv[i]
-        i += 1
-        if arg == "--":
-            break
-        if arg.startswith("--"):
-            name, eq, attached = arg.partition("=")
-            flag = _lookup(name)
-            if flag.is_switch and eq:
-                raise UsageError(f"{name} is a switch and takes no value; give {name} alone")
-            if flag.is_switch:
-                given[flag.dest] = _Value(True, name)
-            elif eq:
-                given[flag.dest] = _Value(attached, name)
-            else:
-                given[flag.dest] = _Value(_next_value(argv, i, name), name)
-                i += 1
-            continue
-        for j in range(1, len(arg)):
-            name = "-" + arg[j]
-            flag = _lookup(name)
-            if flag.is_switch:
-                given[flag.dest] = _Value(True, name)
-                continue
-            attached = arg[j + 1 :]
-            if attached:
-                given[flag.dest] = _Value(attached[1:] if attached.startswith("=") else attached, name)
-            else:
-                given[flag.dest] = _Value(_next_value(argv, i, name), name)
-                i += 1
-            break
-    return given, list(argv[i:])
+    try:
+        namespace, unknown = _build_parser().parse_known_args(list(argv))
+    except argparse.ArgumentError as error:
+        name = (error.argument_name or "").split("/")[0]
+        if "expected one argument" in error.message:
+            raise UsageError(f"{name} needs a value; give {name}=VALUE, see '{PROG} --help'") from None
+        if "ignored explicit argument" in error.message:
+            attached = error.message.split("'")[1] if "'" in error.message else ""
+            if attached and len(name) == 2 and not attached.startswith("="):
+                _unknown("-" + attached[0])  # a bundle of short switches such as -qx
+            raise UsageError(f"{name} is a switch and takes no value; give {name} alone") from None
+        raise UsageError(f"{name}: {error.message}") from None
+    if unknown:
+        _unknown(unknown[0].partition("=")[0])
+    given = {dest: value for dest, value in vars(namespace).items() if isinstance(value, _Value)}
+    rest = [namespace.entry, *namespace.rest] if namespace.entry is not None else []
+    return given, rest
 
 
-def _lookup(name: str) -> Flag:
-    flag = _BY_NAME.get(name)
-    if flag is not None:
-        return flag
+def _unknown(name: str) -> None:
+    """Raise the error for an unknown option, with the closest flag as a suggestion."""
     import difflib
+
+    known = [spelling for flag in FLAGS for spelling in flag.spellings]
 
     def shared_prefix(other: str) -> int:
         return len(os.path.commonprefix([name, other]))
 
     # A long shared prefix ("--nprocs" / "--nproc-per-node") beats difflib's overall similarity.
-    best = max(_BY_NAME, key=shared_prefix)
-    close = [best] if shared_prefix(best) >= 6 else difflib.get_close_matches(name, list(_BY_NAME), n=1)
+    best = max(known, key=shared_prefix)
+    close = [best] if shared_prefix(best) >= 6 else difflib.get_close_matches(name, known, n=1)
     hint = f"did you mean {close[0]}?" if close else f"see '{PROG} --help' for the flags"
     raise UsageError(f"unknown option {name}; {hint}")
-
-
-def _next_value(argv: Sequence[str], i: int, name: str) -> str:
-    if i >= len(argv):
-        raise UsageError(f"{name} needs a value; see '{PROG} --help'")
-    if argv[i].partition("=")[0] in _BY_NAME:
-        raise UsageError(f"{name} needs a value, got the option {argv[i]}; give {name}=VALUE")
-    return argv[i]
 
 
 def _env_bool(name: str, text: str) -> bool:
@@ -492,57 +497,8 @@ def parse_endpoint(label: str, text: str, default_port: int) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# --nproc-per-node words, without importing torch
+# --nproc-per-node words
 # --------------------------------------------------------------------------------------------
-
-
-def count_gpus(environ: Mapping[str, str]) -> int:
-    """NVIDIA GPUs a worker may use: device nodes (else ``nvidia-smi -L``), capped by CUDA_VISIBLE_DEVICES."""
-    import glob
-
-    found = sum(1 for path in glob.glob("/dev/nvidia[0-9]*") if path[len("/dev/nvidia") :].isdigit())
-    if not found:
-        import shutil
-        import subprocess
-
-        smi = shutil.which("nvidia-smi")
-        if smi:
-            try:
-                listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
-            except (OSError, subprocess.SubprocessError):
-                listing = ""
-            found = sum(1 for line in listing.splitlines() if line.startswith("GPU "))
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return found
-    listed = 0
-    for item in visible.split(","):
-        if not item.strip() or item.strip().startswith("-"):
-            break  # like CUDA: the list ends at the first invalid entry
-        listed += 1
-    return min(found, listed)
-
-
-def torch_has_cuda() -> bool:
-    """Whether the installed torch is a CUDA build, read from its version.py without importing it."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("torch")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        try:
-            with open(os.path.join(folder, "version.py"), encoding="utf-8") as handle:
-                match = re.search(r"^cuda\s*(?::[^=\n]*)?=\s*(.+)$", handle.read(), re.MULTILINE)
-        except OSError:
-            continue
-        return bool(match) and match.group(1).strip() != "None"
-    return False
-
-
-def cpu_count() -> int:
-    """CPUs this process may run on (respects taskset/cgroup affinity, as torchrun does)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def parse_nproc(label: str, text: str, environ: Mapping[str, str]) -> int:

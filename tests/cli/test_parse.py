@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from elastrun.cli import FLAGS, count_gpus, cpu_count, help_text, parse, parse_with_warnings, torch_has_cuda
+from elastrun.cli import FLAGS, help_text, parse, parse_with_warnings
 from elastrun.config import DEFAULT_MASTER_PORT, Std
 from elastrun.errors import UsageError
+from elastrun.hostprobe import count_gpus, cpu_count, torch_has_cuda
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -293,7 +294,7 @@ def test_nproc_words(script: str) -> None:
 
 def test_torch_build_is_read_without_importing_torch() -> None:
     code = (
-        "import sys; from elastrun.cli import torch_has_cuda; has = torch_has_cuda(); "
+        "import sys; from elastrun.hostprobe import torch_has_cuda; has = torch_has_cuda(); "
         "assert 'torch' not in sys.modules; import torch; print(has == (torch.version.cuda is not None))"
     )
     result = subprocess.run(
@@ -325,6 +326,11 @@ def test_unknown_option_suggests_the_closest_flag(script: str) -> None:
         parse(["--nnodes"], {})
     with pytest.raises(UsageError, match="takes no value"):
         parse(["--standalone=1", script], {})
+    with pytest.raises(UsageError, match="unknown option -x"):
+        parse(["-qx", script], {})
+    # No prefix matching: an abbreviation is not taken for the flag it starts.
+    with pytest.raises(UsageError, match="unknown option --nproc;"):
+        parse(["--nproc=2", script], {})
 
 
 def test_help_documents_every_flag_default_and_variable() -> None:
