@@ -27,10 +27,11 @@ import dataclasses
 import os
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from elastrun.config import (
+    ALLOWED,
     DEFAULT_EXIT_BARRIER_TIMEOUT,
     DEFAULT_MASTER_PORT,
     DEFAULT_RDZV_PORT,
@@ -40,11 +41,14 @@ from elastrun.config import (
 )
 from elastrun.errors import UsageError
 from elastrun.hostprobe import count_gpus, cpu_count, torch_has_cuda
+from elastrun.rendezvous import conf as rdzv_conf
 
 PROG = "elastrun"
 #: First words that select an observation tool instead of a launch.
 SUBCOMMANDS = ("status", "timeline")
-START_METHODS = ("spawn", "fork", "forkserver")
+_NPROC_ALLOWED = "use a positive integer, auto, cpu or gpu"
+#: LaunchConfig fields named by another flag's dest.
+_FIELD_FLAGS = {"min_nodes": "nnodes", "max_nodes": "nnodes", "run_id": "rdzv_id", "rdzv_configs": "rdzv_conf"}
 #: Backends whose endpoint is a comma-separated list of etcd members.
 ETCD_BACKENDS = ("etcd", "etcd-v3")
 DEFAULT_ETCD_PORT = 2379
@@ -53,8 +57,6 @@ CHECKED_BACKENDS = ("c10d", "static", *ETCD_BACKENDS)
 #: The signals the agent always forwards to its workers.
 FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
-_TRUE_WORDS = ("1", "true", "yes")
-_FALSE_WORDS = ("0", "false", "no")
 _HOST_RE = re.compile(r"[A-Za-z0-9_.-]+")
 
 
@@ -302,12 +304,10 @@ def _unknown(name: str) -> None:
 
 
 def _env_bool(name: str, text: str) -> bool:
-    word = text.strip().lower()
-    if word in _TRUE_WORDS:
-        return True
-    if word in _FALSE_WORDS:
-        return False
-    raise UsageError(f"{name}={text!r} is not a boolean; use 1/true/yes or 0/false/no")
+    value = rdzv_conf.parse_bool(text)
+    if value is None:
+        raise UsageError(f"{name}={text!r} is not a boolean; use {rdzv_conf.BOOL_HELP}")
+    return value
 
 
 class _Settings:
@@ -348,21 +348,33 @@ class _Settings:
         """How a message names the value: ``--nnodes=3:1``, ``-r 0:9``, ``PET_NNODES=3:1``."""
         value = self.values[dest]
         where = value.source if value.given else _BY_DEST[dest].names[-1]
-        if isinstance(value.raw, bool):
+        if isinstance(value.raw, bool) or not value.raw:
             return where
         return f"{where} {value.raw}" if len(where) == 2 else f"{where}={value.raw}"
 
-    def int(self, dest: str, lo: int, hi: int | None, allowed: str) -> int:
-        return _int(self.label(dest), self.text(dest), lo, hi, allowed)
+    def int(self, dest: str) -> int:
+        """The value as an integer; its range is :meth:`LaunchConfig.validate`'s to check."""
+        return _int(self.label(dest), self.text(dest), None, None, ALLOWED[dest])
 
-    def seconds(self, dest: str, allowed: str, *, positive: bool = False) -> float:
-        return _seconds(self.label(dest), self.text(dest), allowed, positive=positive)
+    def seconds(self, dest: str) -> float:
+        try:
+            return float(self.text(dest))
+        except ValueError:
+            raise UsageError(f"{self.label(dest)} is not a number of seconds; {ALLOWED[dest]}") from None
 
     def optional_seconds(self, dest: str) -> float | None:
-        if not self.text(dest):
-            return None
-        allowed = "use seconds > 0, or leave the flag out to turn the check off"
-        return self.seconds(dest, allowed, positive=True)
+        return self.seconds(dest) if self.text(dest) else None
+
+    def field_label(self, config: LaunchConfig) -> Callable[[str], str]:
+        """How :meth:`LaunchConfig.validate` names a field: the flag or variable as it was given."""
+
+        def label(field: str) -> str:
+            if field == "entrypoint":
+                return f"-m {config.entrypoint}"
+            flag = _BY_DEST[_FIELD_FLAGS.get(field, field)]
+            return "/".join(flag.names) if flag.is_switch else self.label(flag.dest)
+
+        return label
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,38 +382,22 @@ class _Settings:
 # --------------------------------------------------------------------------------------------
 
 
-def _int(label: str, text: str, lo: int, hi: int | None, allowed: str) -> int:
+def _int(label: str, text: str, lo: int | None, hi: int | None, allowed: str) -> int:
     try:
         value = int(text, 10)
     except ValueError:
         raise UsageError(f"{label} is not an integer; {allowed}") from None
-    if value < lo or (hi is not None and value > hi):
-        raise UsageError(f"{label} is out of range; {allowed}")
-    return value
-
-
-def _seconds(label: str, text: str, allowed: str, *, positive: bool) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise UsageError(f"{label} is not a number of seconds; {allowed}") from None
-    if not 0 <= value < float("inf") or (positive and value == 0):
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise UsageError(f"{label} is out of range; {allowed}")
     return value
 
 
 def parse_nnodes(label: str, text: str) -> tuple[int, int]:
-    """``N`` or ``MIN:MAX`` → ``(min_nodes, max_nodes)`` with ``1 <= MIN <= MAX``."""
-    allowed = "use N or MIN:MAX with 1 <= MIN <= MAX, e.g. --nnodes=2 or --nnodes=1:4"
+    """``N`` or ``MIN:MAX`` → ``(min_nodes, max_nodes)``; their range is checked by LaunchConfig.validate."""
     parts = text.strip().split(":")
     if len(parts) > 2 or not all(part.strip().isdigit() for part in parts):
-        raise UsageError(f"{label} is not a node count; {allowed}")
-    low, high = int(parts[0]), int(parts[-1])
-    if low < 1:
-        raise UsageError(f"{label}: a job needs at least 1 node; {allowed}")
-    if low > high:
-        raise UsageError(f"{label}: MIN ({low}) is greater than MAX ({high}); {allowed}")
-    return low, high
+        raise UsageError(f"{label} is not a node count; {ALLOWED['min_nodes']}")
+    return int(parts[0]), int(parts[-1])
 
 
 def parse_std_spec(label: str, text: str) -> dict[int, Std]:
@@ -427,19 +423,11 @@ def parse_std_spec(label: str, text: str) -> dict[int, Std]:
 
 
 def parse_rdzv_conf(label: str, text: str) -> dict[str, str]:
-    """``KEY=VALUE,KEY=VALUE`` → dict; a key ending in ``timeout`` must be seconds >= 0."""
-    allowed = "use KEY=VALUE,KEY=VALUE, e.g. join_timeout=600,last_call_timeout=1"
-    out: dict[str, str] = {}
-    for item in text.split(",") if text.strip() else []:
-        key, eq, value = (part.strip() for part in item.partition("="))
-        if not eq or not value or not re.fullmatch(r"[A-Za-z0-9_.-]+", key):
-            raise UsageError(f"{label}: {item.strip()!r} is not KEY=VALUE; {allowed}")
-        if key in out:
-            raise UsageError(f"{label}: {key} is given twice; {allowed}")
-        if key.endswith("timeout"):
-            _seconds(f"{label}: {key}={value}", value, f"{key} takes seconds >= 0", positive=False)
-        out[key] = value
-    return out
+    """``KEY=VALUE,KEY=VALUE`` → dict (see :func:`elastrun.rendezvous.conf.split`)."""
+    try:
+        return rdzv_conf.split(text)
+    except ValueError as exc:
+        raise UsageError(f"{label}: {exc}") from None
 
 
 def _is_ipv6(text: str) -> bool:
@@ -502,8 +490,8 @@ def parse_endpoint(label: str, text: str, default_port: int) -> str:
 
 
 def parse_nproc(label: str, text: str, environ: Mapping[str, str]) -> int:
-    """``--nproc-per-node``: a positive integer, or auto / cpu / gpu (see the flag's help)."""
-    allowed = "use a positive integer, auto, cpu or gpu"
+    """``--nproc-per-node``: an integer, or auto / cpu / gpu (see the flag's help)."""
+    allowed = _NPROC_ALLOWED
     word = text.strip().lower()
     if word == "cpu":
         return cpu_count()
@@ -517,7 +505,7 @@ def parse_nproc(label: str, text: str, environ: Mapping[str, str]) -> int:
         if not torch_has_cuda():
             raise UsageError(f"{label}: the installed torch is a CPU-only build; {allowed}")
         return gpus
-    return _int(label, text, 1, None, allowed)
+    return _int(label, text, None, None, allowed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -526,22 +514,27 @@ def parse_nproc(label: str, text: str, environ: Mapping[str, str]) -> int:
 
 
 def _entry(s: _Settings, rest: list[str]) -> dict[str, object]:
-    """What each worker runs; a missing script or program is an error here, not in a worker."""
+    """What each worker runs (its existence is checked by :func:`_check_entry_exists`)."""
     if not rest:
         raise UsageError(
             f"no training script given; usage: {PROG} [flags] SCRIPT [ARGS...], "
             "or -m MODULE, or --no-python PROGRAM"
         )
-    entry = rest[0]
-    module, no_python, run_path = s.on("module"), s.on("no_python"), s.on("run_path")
-    if module and no_python:
-        raise UsageError("-m/--module and --no-python exclude each other; use one of them")
-    if run_path and (module or no_python):
-        raise UsageError("--run-path runs a script file; drop -m/--module and --no-python")
-    if module:
-        if not all(part.isidentifier() for part in entry.split(".")):
-            raise UsageError(f"-m {entry}: not a module name; give a dotted name such as pkg.train")
-    elif no_python:
+    return {
+        "entrypoint": rest[0],
+        "args": rest[1:],
+        "module": s.on("module"),
+        "no_python": s.on("no_python"),
+        "run_path": s.on("run_path"),
+    }
+
+
+def _check_entry_exists(config: LaunchConfig) -> None:
+    """A missing script or program is an error here, not in a worker."""
+    entry = config.entrypoint
+    if config.module:
+        return
+    if config.no_python:
         import shutil
 
         if shutil.which(entry) is None:
@@ -553,13 +546,6 @@ def _entry(s: _Settings, rest: list[str]) -> dict[str, object]:
             f"script {entry!r} not found (in {os.getcwd()}); "
             "give a Python file, -m MODULE or --no-python PROGRAM"
         )
-    return {
-        "entrypoint": entry,
-        "args": rest[1:],
-        "module": module,
-        "no_python": no_python,
-        "run_path": run_path,
-    }
 
 
 def _rendezvous(s: _Settings, min_nodes: int, max_nodes: int, warnings: list[str]) -> dict[str, object]:
@@ -567,8 +553,6 @@ def _rendezvous(s: _Settings, min_nodes: int, max_nodes: int, warnings: list[str
     backend, endpoint, run_id = s.text("rdzv_backend"), s.text("rdzv_endpoint"), s.text("rdzv_id") or "none"
     standalone = s.on("standalone")
     if standalone:
-        if (min_nodes, max_nodes) != (1, 1):
-            raise UsageError(f"--standalone runs one node, but {s.label('nnodes')}; drop one of the two")
         explicit = [("rdzv_backend", "c10d"), ("rdzv_endpoint", ""), ("rdzv_id", "none")]
         ignored = [s.label(dest) for dest, same in explicit if s.from_cli(dest) and s.text(dest) != same]
         if ignored:
@@ -586,11 +570,6 @@ def _rendezvous(s: _Settings, min_nodes: int, max_nodes: int, warnings: list[str
                 f"{s.label('rdzv_backend')} is not a known rendezvous backend; known: {', '.join(known)}"
             )
     static = backend == "static"
-    if static and min_nodes != max_nodes:
-        raise UsageError(
-            f"{s.label('nnodes')}: the static backend needs a fixed node count; use --nnodes=N or an "
-            "elastic backend such as --rdzv-backend=c10d"
-        )
 
     where = s.label("rdzv_endpoint")
     if backend in ETCD_BACKENDS:
@@ -606,12 +585,10 @@ def _rendezvous(s: _Settings, min_nodes: int, max_nodes: int, warnings: list[str
     elif backend == "c10d":
         endpoint = f"localhost:{DEFAULT_RDZV_PORT}"
 
-    rank_allowed = f"use an integer in [0, {max_nodes})" if static else "use an integer >= 0"
-    node_rank = s.int("node_rank", 0, max_nodes - 1 if static else None, rank_allowed)
     master_addr = check_host(s.label("master_addr"), s.text("master_addr"))
     master_port: int | None = None
     if s.given("master_port"):
-        master_port = s.int("master_port", 1, 65535, "use a port in 1-65535, or leave it out for a free one")
+        master_port = s.int("master_port")
     elif static and (s.given("rdzv_backend") or max_nodes > 1):
         master_port = DEFAULT_MASTER_PORT
     if not static:
@@ -626,7 +603,7 @@ def _rendezvous(s: _Settings, min_nodes: int, max_nodes: int, warnings: list[str
         "run_id": run_id,
         "standalone": standalone,
         "rdzv_configs": parse_rdzv_conf(s.label("rdzv_conf"), s.text("rdzv_conf")),
-        "node_rank": node_rank,
+        "node_rank": s.int("node_rank"),
         "master_addr": master_addr,
         "master_port": master_port,
         "local_addr": local_addr,
@@ -653,27 +630,20 @@ def _logs(s: _Settings, nproc: int, warnings: list[str]) -> dict[str, object]:
 
 def _extras(s: _Settings, warnings: list[str]) -> dict[str, object]:
     """Timeouts, elastrun's own flags, and warnings for torchrun flags that have no effect here."""
-    preload = [name.strip() for name in s.text("preload").split(",") if name.strip()]
-    for name in preload:
-        if not all(part.isidentifier() for part in name.split(".")):
-            raise UsageError(f"{s.label('preload')}: {name!r} is not a module name; use e.g. torch,numpy")
-    if s.on("quiet") and s.on("verbose"):
-        raise UsageError("-q/--quiet and -v/--verbose exclude each other; use one of them")
-    port = s.int("metrics_port", 1, 65535, "use a port in 1-65535") if s.text("metrics_port") else None
     for flag in FLAGS:
         if flag.ignored and s.given(flag.dest):
             warnings.extend(_ignored_warning(s, flag))
     return {
-        "max_restarts": s.int("max_restarts", 0, None, "use an integer >= 0"),
-        "monitor_interval": s.seconds("monitor_interval", "use seconds > 0, e.g. 0.1", positive=True),
-        "stop_timeout": s.seconds("stop_timeout", "use seconds >= 0"),
-        "exit_barrier_timeout": s.seconds("exit_barrier_timeout", "use seconds >= 0"),
+        "max_restarts": s.int("max_restarts"),
+        "monitor_interval": s.seconds("monitor_interval"),
+        "stop_timeout": s.seconds("stop_timeout"),
+        "exit_barrier_timeout": s.seconds("exit_barrier_timeout"),
         "hang_timeout": s.optional_seconds("hang_timeout"),
-        "crash_loop_limit": s.int("crash_loop_limit", 0, None, "use an integer >= 0"),
+        "crash_loop_limit": s.int("crash_loop_limit"),
         "startup_timeout": s.optional_seconds("startup_timeout"),
-        "preload": preload,
+        "preload": [name.strip() for name in s.text("preload").split(",") if name.strip()],
         "event_log_stdout": s.on("event_log_stdout"),
-        "metrics_port": port,
+        "metrics_port": s.int("metrics_port") if s.text("metrics_port") else None,
         "quiet": s.on("quiet"),
         "verbose": s.on("verbose"),
     }
@@ -721,24 +691,12 @@ def parse_with_warnings(argv: Sequence[str], environ: Mapping[str, str]) -> tupl
         **_rendezvous(s, min_nodes, max_nodes, warnings),
         **_logs(s, nproc, warnings),
         **_extras(s, warnings),
-        role=_role(s),
-        start_method=_start_method(s),
+        role=s.text("role"),
+        start_method=s.text("start_method"),
     )
+    config.validate(s.field_label(config), {"nproc_per_node": _NPROC_ALLOWED})
+    _check_entry_exists(config)
     return config, warnings
-
-
-def _role(s: _Settings) -> str:
-    if not s.text("role"):
-        raise UsageError("--role must not be empty; give a name such as trainer")
-    return s.text("role")
-
-
-def _start_method(s: _Settings) -> str:
-    if s.text("start_method") not in START_METHODS:
-        raise UsageError(
-            f"{s.label('start_method')} is not a start method; use one of {', '.join(START_METHODS)}"
-        )
-    return s.text("start_method")
 
 
 def parse(argv: list[str], environ: Mapping[str, str]) -> LaunchConfig:
@@ -772,7 +730,7 @@ def help_text() -> str:
         "Elastic, fault-tolerant launcher for PyTorch distributed training; a drop-in for torchrun.",
         "Everything after SCRIPT goes to the script. Each --flag-name also has the spelling",
         "--flag_name, and can be set by the environment variable shown (the command line wins;",
-        "boolean variables take 1/true/yes or 0/false/no).",
+        f"boolean variables take {rdzv_conf.BOOL_HELP}).",
     ]
     group = ""
     for flag in FLAGS:

@@ -19,6 +19,7 @@ script or a function as the entry point::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import sys
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from elastrun.config import LaunchConfig
+from elastrun.errors import UsageError
 from elastrun.rendezvous.api import RendezvousConfigError, RendezvousError, RendezvousParameters
 
 
@@ -57,6 +59,20 @@ def rendezvous_parameters(config: LaunchConfig) -> RendezvousParameters:
     )
 
 
+def check(config: LaunchConfig) -> None:
+    """Validate a launch request before anything starts: its own fields, then its backend's settings.
+
+    Raises :class:`UsageError` with one line naming what is wrong; connects nowhere.
+    """
+    from elastrun.rendezvous.registry import validate
+
+    config.validate()
+    try:
+        validate(rendezvous_parameters(config))
+    except RendezvousConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def make_starter(config: LaunchConfig, base_env: dict[str, str]):
     """The worker starter for ``config.start_method``: the warm pool, or exec (``spawn``, ``--no-python``)."""
     from elastrun.workers.pool import select_starter
@@ -67,14 +83,14 @@ def make_starter(config: LaunchConfig, base_env: dict[str, str]):
 def run(config: LaunchConfig) -> int:
     """Run this node's agent for ``config`` until the job ends; returns the process exit code."""
     base_env = dict(os.environ)
-    from elastrun.rendezvous.registry import create_handler, validate
+    from elastrun.rendezvous.registry import create_handler
 
-    params = rendezvous_parameters(config)
     try:
-        validate(params)
-    except RendezvousConfigError as exc:
+        check(config)
+    except UsageError as exc:
         print(f"elastrun: error: {exc}", file=sys.stderr)
         return 2
+    params = rendezvous_parameters(config)
     starter = make_starter(config, base_env)
     starter.prepare()
     # The store client logs every wait timeout at WARNING level; the agent waits with timeouts on
@@ -110,22 +126,26 @@ def launch(config: LaunchConfig, entrypoint: Callable[..., Any] | str, *args: An
 
     ``entrypoint`` is a script path (its return values are None) or a function importable by
     module and name, called as ``entrypoint(*args)`` in every worker.  Must be called from the
-    main thread (the agent handles signals).  Raises :class:`LaunchError` when the job fails.
+    main thread (the agent handles signals).  ``config`` is left as it was (the job runs a copy).
+    Raises :class:`UsageError` (a ValueError) for a bad request, before anything starts, and
+    :class:`LaunchError` when the job fails.
     """
     if isinstance(entrypoint, str):
-        config.entrypoint, config.args = entrypoint, [str(a) for a in args]
-        code = run(config)
+        job = dataclasses.replace(config, entrypoint=entrypoint, args=[str(a) for a in args])
+        check(job)
+        code = run(job)
         if code != 0:
             raise LaunchError(f"job {config.run_id!r} failed with exit code {code}", code)
         return {r: None for r in range(config.nproc_per_node)}
     with tempfile.TemporaryDirectory(prefix="elastrun-launch-") as tmp:
         call_file = Path(tmp) / "call.pkl"
+        job = dataclasses.replace(
+            config, module=True, no_python=False, entrypoint="elastrun.workers.run_function", args=[str(call_file), tmp]
+        )
+        check(job)
         with open(call_file, "wb") as fh:
             pickle.dump((entrypoint.__module__, entrypoint.__qualname__, args, _main_path()), fh)
-        config.module, config.no_python = True, False
-        config.entrypoint = "elastrun.workers.run_function"
-        config.args = [str(call_file), tmp]
-        code = run(config)
+        code = run(job)
         if code != 0:
             raise LaunchError(f"job {config.run_id!r} failed with exit code {code}", code)
         results = {}

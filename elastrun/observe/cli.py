@@ -58,16 +58,6 @@ def _timeline_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _parse_conf(text: str) -> dict[str, str]:
-    conf = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"--rdzv-conf item {item!r} is not KEY=VALUE")
-        conf[key.strip()] = value.strip()
-    return conf
-
-
 def status_main(argv: list[str]) -> int:
     """``elastrun status ...``; returns the exit code."""
     args = _status_parser().parse_args(argv)
@@ -79,12 +69,13 @@ def status_main(argv: list[str]) -> int:
         print("elastrun status: error: --interval and --timeout must be positive", file=sys.stderr)
         return 2
     from elastrun.observe.status import StatusNotSupportedError, format_status, read_status, watch
+    from elastrun.rendezvous import conf as rdzv_conf
     from elastrun.rendezvous.api import RendezvousConfigError, RendezvousError, RendezvousParameters
 
     try:
-        conf = _parse_conf(args.conf)
+        conf = rdzv_conf.split(args.conf)
     except ValueError as exc:
-        print(f"elastrun status: error: {exc}", file=sys.stderr)
+        print(f"elastrun status: error: --rdzv-conf {exc}", file=sys.stderr)
         return 2
     params = RendezvousParameters(
         backend=args.backend, endpoint=args.endpoint, run_id=args.run_id, min_nodes=1, max_nodes=1, config=conf

@@ -175,8 +175,8 @@ class FailureRecord:
 class RendezvousParameters:
     """Backend-independent settings of a job's rendezvous, built from the launch flags.
 
-    ``config`` holds the ``--rdzv-conf`` keys; each backend reads the ones it knows through the
-    typed getters and reports unknown keys as an error.
+    ``config`` holds the ``--rdzv-conf`` keys; each backend reads them with
+    :func:`elastrun.rendezvous.conf.read` and its table of keys, which reports unknown keys as an error.
     """
 
     backend: str
@@ -193,34 +193,6 @@ class RendezvousParameters:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
-
-    def get_float(self, key: str, default: float) -> float:
-        raw = self.config.get(key)
-        if raw is None:
-            return default
-        try:
-            value = float(raw)
-        except ValueError:
-            raise RendezvousConfigError(
-                f"--rdzv-conf {key}={raw!r} is not a number; give seconds, e.g. {key}={default}"
-            ) from None
-        if value < 0:
-            raise RendezvousConfigError(f"--rdzv-conf {key}={raw!r} must not be negative")
-        return value
-
-    def get_str(self, key: str, default: str | None = None) -> str | None:
-        return self.config.get(key, default)
-
-    def get_bool(self, key: str, default: bool) -> bool:
-        raw = self.config.get(key)
-        if raw is None:
-            return default
-        lowered = raw.strip().lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise RendezvousConfigError(f"--rdzv-conf {key}={raw!r} is not a boolean; use true or false")
 
 
 class RendezvousHandler(abc.ABC):

@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any
 
+from elastrun.rendezvous import conf
 from elastrun.rendezvous.api import (
     FailureRecord,
     JobFailedError,
@@ -42,20 +43,19 @@ from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth, load_token
 from elastrun.rendezvous.keepalive import Heartbeat, RingWatch
 from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, judge_round_end, member_view
 
-#: ``--rdzv-conf`` keys of the store backends, with defaults (seconds unless noted).
-CONFIG_DEFAULTS: dict[str, Any] = {
-    "join_timeout": 600.0,
-    "last_call_timeout": 1.0,
-    "heartbeat_interval": 0.5,
-    "heartbeat_timeout": 2.5,
-    "read_timeout": 60.0,
-    "host_linger": 30.0,
-    "is_host": None,
-    "token_file": None,
+#: ``--rdzv-conf`` keys of the store backends, with defaults.
+CONFIG_KEYS: dict[str, conf.Key] = {
+    "join_timeout": conf.Key("seconds", 600.0),
+    "last_call_timeout": conf.Key("seconds", 1.0),
+    "heartbeat_interval": conf.Key("seconds", 0.5),
+    "heartbeat_timeout": conf.Key("seconds", 2.5),
+    "read_timeout": conf.Key("seconds", 60.0),
+    "host_linger": conf.Key("seconds", 30.0),
+    "is_host": conf.Key("bool"),
+    "token_file": conf.Key("text"),
 }
 #: torchrun's names accepted as aliases.
 CONFIG_ALIASES = {"keep_alive_interval": "heartbeat_interval", "timeout": "join_timeout"}
-IGNORED_TORCHRUN_KEYS = {"close_timeout", "keep_alive_max_attempt", "use_libuv"}
 
 _CLOSER_POLL = 0.02
 _FOLLOWER_POLL = 1.0
@@ -142,27 +142,9 @@ def listen_on(addr: str) -> int:
     return sock.detach()
 
 
-def parse_config(params: RendezvousParameters, extra_keys: dict[str, Any] | None = None) -> dict[str, Any]:
+def parse_config(params: RendezvousParameters) -> dict[str, Any]:
     """Typed ``--rdzv-conf`` values; unknown keys are an error that lists the known ones."""
-    defaults = dict(CONFIG_DEFAULTS)
-    defaults.update(extra_keys or {})
-    values = dict(defaults)
-    for raw_key in params.config:
-        key = CONFIG_ALIASES.get(raw_key, raw_key)
-        if raw_key in IGNORED_TORCHRUN_KEYS:
-            continue
-        if key not in defaults:
-            known = ", ".join(sorted(defaults))
-            raise RendezvousConfigError(
-                f"unknown --rdzv-conf key {raw_key!r} for backend {params.backend!r}; known keys: {known}"
-            )
-        default = defaults[key]
-        if key == "is_host":
-            values[key] = params.get_bool(raw_key, False)
-        elif isinstance(default, float):
-            values[key] = params.get_float(raw_key, default)
-        else:
-            values[key] = params.get_str(raw_key, default)
+    values = conf.read(params.config, CONFIG_KEYS, params.backend, CONFIG_ALIASES)
     if values["heartbeat_timeout"] <= values["heartbeat_interval"]:
         raise RendezvousConfigError(
             "--rdzv-conf heartbeat_timeout must be larger than heartbeat_interval "
@@ -841,8 +823,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Factory for ``--rdzv-backend=c10d``."""
     validate_params(params)
     host, port = split_endpoint(params.endpoint, 29400)
-    conf = parse_config(params)
-    is_host = conf["is_host"]
+    is_host = parse_config(params)["is_host"]
     if port == 0:
         is_host = True
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

@@ -13,26 +13,21 @@ import math
 import os
 from typing import Any
 
+from elastrun.rendezvous import conf
 from elastrun.rendezvous.api import RendezvousConfigError, RendezvousHandler, RendezvousParameters
 from elastrun.rendezvous.etcd.status import read_job_status  # ``elastrun status`` (pure client)
 
-#: ``--rdzv-conf`` keys of the etcd backend, with defaults (seconds unless noted).
-CONFIG_DEFAULTS: dict[str, Any] = {
-    "join_timeout": 600.0,
-    "last_call_timeout": 1.0,
-    "lease_ttl": 3.0,
-    "keepalive_interval": 0.5,
-    "request_timeout": 3.0,
-    "outage_timeout": 600.0,
-    "job_ttl": 600.0,
-    "protocol": None,
-    "ca_cert": None,
-    "client_cert": None,
-    "client_key": None,
-    "username": None,
-    "password": None,
-    "password_file": None,
-    "token_file": None,
+#: ``--rdzv-conf`` keys of the etcd backend, with defaults.
+CONFIG_KEYS: dict[str, conf.Key] = {
+    "join_timeout": conf.Key("seconds", 600.0),
+    "last_call_timeout": conf.Key("seconds", 1.0),
+    "lease_ttl": conf.Key("seconds", 3.0),
+    "keepalive_interval": conf.Key("seconds", 0.5),
+    "request_timeout": conf.Key("seconds", 3.0),
+    "outage_timeout": conf.Key("seconds", 600.0),
+    "job_ttl": conf.Key("seconds", 600.0),
+    **{name: conf.Key("text") for name in ("protocol", "ca_cert", "client_cert", "client_key")},
+    **{name: conf.Key("text") for name in ("username", "password", "password_file", "token_file")},
 }
 #: torchrun's names (its etcd and c10d backends) accepted as aliases.
 CONFIG_ALIASES = {
@@ -45,26 +40,12 @@ CONFIG_ALIASES = {
     "heartbeat_timeout": "lease_ttl",
     "user": "username",
 }
-IGNORED_TORCHRUN_KEYS = {"close_timeout", "keep_alive_max_attempt", "use_libuv"}
 DEFAULT_PORT = 2379
 
 
 def parse_config(params: RendezvousParameters) -> dict[str, Any]:
     """Typed ``--rdzv-conf`` values; unknown keys and bad combinations are errors that say what is allowed."""
-    values = dict(CONFIG_DEFAULTS)
-    for raw_key in params.config:
-        if raw_key in IGNORED_TORCHRUN_KEYS:
-            continue
-        key = CONFIG_ALIASES.get(raw_key, raw_key)
-        if key not in CONFIG_DEFAULTS:
-            known = ", ".join(sorted(CONFIG_DEFAULTS))
-            raise RendezvousConfigError(
-                f"unknown --rdzv-conf key {raw_key!r} for backend {params.backend!r}; known keys: {known}"
-            )
-        if isinstance(CONFIG_DEFAULTS[key], float):
-            values[key] = params.get_float(raw_key, CONFIG_DEFAULTS[key])
-        else:
-            values[key] = params.get_str(raw_key)
+    values = conf.read(params.config, CONFIG_KEYS, params.backend, CONFIG_ALIASES)
     if values["keepalive_interval"] <= 0:
         raise RendezvousConfigError("--rdzv-conf keepalive_interval must be positive")
     if values["lease_ttl"] < 2 * values["keepalive_interval"] or values["lease_ttl"] < 1:
@@ -146,5 +127,5 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 __all__ = [
     "create_handler", "parse_config", "parse_endpoints", "read_job_status", "require_client", "validate_params",
-    "CONFIG_DEFAULTS",
+    "CONFIG_KEYS",
 ]
