@@ -36,12 +36,15 @@ from elastrun.config import (
     DEFAULT_MASTER_PORT,
     DEFAULT_RDZV_PORT,
     DEFAULT_STOP_TIMEOUT,
+    FORWARDED_SIGNALS,
     LaunchConfig,
     Std,
 )
 from elastrun.errors import UsageError
 from elastrun.hostprobe import count_gpus, cpu_count, torch_has_cuda
 from elastrun.rendezvous import conf as rdzv_conf
+from elastrun.rendezvous.endpoint import check_host as _check_host
+from elastrun.rendezvous.endpoint import join_address, split_address
 
 PROG = "elastrun"
 #: First words that select an observation tool instead of a launch.
@@ -54,10 +57,9 @@ ETCD_BACKENDS = ("etcd", "etcd-v3")
 DEFAULT_ETCD_PORT = 2379
 #: Backends whose endpoint syntax is checked here; a third-party backend checks its own.
 CHECKED_BACKENDS = ("c10d", "static", *ETCD_BACKENDS)
-#: The signals the agent always forwards to its workers.
-FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+#: The signals the agent always forwards to its workers, by name.
+_FORWARDED = tuple(sig.name for sig in FORWARDED_SIGNALS)
 
-_HOST_RE = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 class HelpRequested(Exception):
@@ -196,7 +198,7 @@ FLAGS: tuple[Flag, ...] = (
         Flag(("--version",), "version", None, None, "Show elastrun's version and exit."),
     ),
     *_group("torchrun flags accepted and ignored (a warning says so when one is set)",
-        Flag(("--signals-to-handle",), "signals_to_handle", "SIG,...", ",".join(FORWARDED_SIGNALS),
+        Flag(("--signals-to-handle",), "signals_to_handle", "SIG,...", ",".join(_FORWARDED),
              "elastrun always forwards all of these.", ignored=True),
         Flag(("--event-log-handler",), "event_log_handler", "NAME", "null",
              "See --event-log-stdout.", ignored=True),
@@ -430,58 +432,20 @@ def parse_rdzv_conf(label: str, text: str) -> dict[str, str]:
         raise UsageError(f"{label}: {exc}") from None
 
 
-def _is_ipv6(text: str) -> bool:
-    import ipaddress
-
-    try:
-        ipaddress.IPv6Address(text.partition("%")[0])
-    except ValueError:
-        return False
-    return True
-
-
 def check_host(label: str, host: str) -> str:
-    """A host name, an IPv4 address, or an IPv6 address (bare or in brackets); returned as given."""
-    inner = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not (_HOST_RE.fullmatch(inner) or (":" in inner and _is_ipv6(inner))):
-        raise UsageError(f"{label}: {host!r} is not a host; give a host name or an IP address")
-    return host
-
-
-def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
+    """A host name or an IP address (see :func:`elastrun.rendezvous.endpoint.check_host`)."""
+    try:
+        return _check_host(host)
+    except ValueError as exc:
+        raise UsageError(f"{label}: {exc}") from None
 
 
 def parse_endpoint(label: str, text: str, default_port: int) -> str:
-    """``HOST[:PORT]`` → ``HOST:PORT`` (``[ADDR]:PORT`` for IPv6), the port filled in when left out.
-
-    Port 0 ("the agent binds any free port") is allowed on a loopback host only: other nodes
-    could not learn which port was picked.
-    """
-    allowed = "use HOST[:PORT] with a port in 1-65535 (IPv6 as [ADDR]:PORT)"
-    item = text.strip()
-    bracketed = re.fullmatch(r"\[([^\]]+)\](?::(.*))?", item)
-    if bracketed:
-        host, port_text = bracketed.group(1), bracketed.group(2)
-        if not _is_ipv6(host):
-            raise UsageError(f"{label}: {host!r} is not an IPv6 address; {allowed}")
-    elif item.count(":") >= 2:
-        if not _is_ipv6(item):
-            raise UsageError(f"{label} is not a valid endpoint; {allowed}")
-        host, port_text = item, None
-    else:
-        host, colon, port_text = item.partition(":")
-        if not _HOST_RE.fullmatch(host):
-            raise UsageError(f"{label}: {host!r} is not a host name or address; {allowed}")
-        port_text = port_text if colon else None
-    port = default_port
-    if port_text is not None:
-        if not port_text.isdigit():
-            raise UsageError(f"{label}: port {port_text!r} is not a number; {allowed}")
-        port = _int(label, port_text, 0, 65535, allowed)
-        if port == 0 and not _is_loopback(host):
-            raise UsageError(f"{label}: port 0 (any free port) works on localhost only; {allowed}")
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    """``HOST[:PORT]`` → ``HOST:PORT`` (``[ADDR]:PORT`` for IPv6), the port filled in when left out."""
+    try:
+        return join_address(*split_address(text, default_port))
+    except ValueError as exc:
+        raise UsageError(f"{label}: {exc}") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -657,9 +621,9 @@ def _ignored_warning(s: _Settings, flag: Flag) -> list[str]:
         for name in names:
             if not isinstance(getattr(signal, name, None), signal.Signals):
                 raise UsageError(f"{s.label(flag.dest)}: unknown signal {name}; use names such as SIGTERM")
-        if set(names) <= set(FORWARDED_SIGNALS):
+        if set(names) <= set(_FORWARDED):
             return []
-        return [f"{s.label(flag.dest)}: elastrun forwards {','.join(FORWARDED_SIGNALS)}, no other signal"]
+        return [f"{s.label(flag.dest)}: elastrun forwards {','.join(_FORWARDED)}, no other signal"]
     if s.values[flag.dest].raw in (False, flag.default):
         return []
     return [f"{s.label(flag.dest)} is accepted for torchrun compatibility and ignored by elastrun"]

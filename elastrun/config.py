@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -37,6 +38,8 @@ DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
 #: Exit code of an agent whose job failed in a way a retry will not fix (a crash loop): do not requeue.
 EXIT_NO_REQUEUE = 3
 
+#: Signals the agent forwards to its workers before stopping (torchrun's --signals-to-handle).
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 START_METHODS = ("spawn", "fork", "forkserver")
 _NO_TIMEOUT = "use seconds > 0, or leave the flag out to turn the check off"
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from elastrun.agent.console import Console
 from elastrun.agent.hang import HangTracker
-from elastrun.config import LaunchConfig, Std
+from elastrun.config import FORWARDED_SIGNALS, LaunchConfig, Std
 from elastrun.observe.events import EventLog
 from elastrun.rendezvous.api import (
     FailureRecord,
@@ -53,16 +53,6 @@ from elastrun.workers.errorfile import read_error_file
 from elastrun.workers.heartbeat import clear_reports, read_exit_report
 from elastrun.workers.logs import tail_text
 from elastrun.workers.spawn import error_file_path
-
-#: Signals the agent forwards to its workers before stopping.
-FORWARDED_SIGNALS = (
-    signal.SIGTERM,
-    signal.SIGINT,
-    signal.SIGHUP,
-    signal.SIGQUIT,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-)
 
 
 class Outcome(Enum):

@@ -26,7 +26,7 @@ from typing import Any
 from elastrun.observe.status_doc import status_document
 from elastrun.rendezvous.api import RendezvousConnectionError, RendezvousError, RendezvousParameters
 from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth, load_token
-from elastrun.rendezvous.c10d import split_endpoint
+from elastrun.rendezvous.endpoint import split_endpoint
 
 #: A member whose heartbeat is older than this is shown as ``silent`` (the default heartbeat
 #: interval is 0.5 s; agents declare a node lost after ``heartbeat_timeout``, 2.5 s by default).

@@ -19,7 +19,6 @@ import datetime
 import functools
 import json
 import os
-import socket
 import threading
 import time
 from typing import Any
@@ -40,8 +39,17 @@ from elastrun.rendezvous.api import (
     RoundResult,
 )
 from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth, load_token
+from elastrun.rendezvous.endpoint import host_worker_store, is_local_host, route_address, split_endpoint
 from elastrun.rendezvous.keepalive import Heartbeat, RingWatch
-from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, judge_round_end, member_view
+from elastrun.rendezvous.rounds import (
+    CloseInputs,
+    assign_ranks,
+    close_size,
+    judge_round_end,
+    member_view,
+    result_document,
+    timeout_error,
+)
 
 #: ``--rdzv-conf`` keys of the store backends, with defaults.
 CONFIG_KEYS: dict[str, conf.Key] = {
@@ -67,79 +75,6 @@ _STORE_WAIT = 15.0
 #: once some are accepted only after TCP's SYN retries (1, 3, 7, 15 s): a shorter attempt would
 #: give up on a connection about to succeed and start over at the back of the queue.
 _CONNECT_WAIT = 30.0
-
-
-def split_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
-    """``host[:port]`` or ``[v6]:port`` → (host, port)."""
-    endpoint = endpoint.strip()
-    if endpoint.startswith("["):
-        host, _, rest = endpoint[1:].partition("]")
-        port = rest.lstrip(":")
-    elif endpoint.count(":") == 1:
-        host, _, port = endpoint.partition(":")
-    else:
-        host, port = endpoint, ""
-    if not host:
-        raise RendezvousConfigError(f"rendezvous endpoint {endpoint!r} has no host; use HOST[:PORT]")
-    try:
-        port_number = int(port) if port else default_port
-    except ValueError:
-        raise RendezvousConfigError(f"rendezvous endpoint {endpoint!r}: port {port!r} is not a number") from None
-    if not 0 <= port_number <= 65535:
-        raise RendezvousConfigError(f"rendezvous endpoint {endpoint!r}: port must be 0-65535")
-    return host, port_number
-
-
-def _host_addresses(host: str) -> set[str]:
-    try:
-        return {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except socket.gaierror:
-        return set()
-
-
-def is_local_host(host: str) -> bool:
-    """True when ``host`` names this machine (a loopback name or one of its interface addresses)."""
-    import psutil
-
-    addresses = _host_addresses(host)
-    if any(a.startswith("127.") or a == "::1" for a in addresses):
-        return True
-    local = {addr.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for addr in addrs}
-    return bool(addresses & local)
-
-
-def route_address(host: str, port: int) -> str:
-    """The local address that packets to ``host`` leave from (no packet is sent)."""
-    addresses = _host_addresses(host)
-    if not addresses:
-        return socket.gethostname()
-    if any(a.startswith("127.") for a in addresses):
-        return "127.0.0.1"
-    target = sorted(addresses)[0]
-    family = socket.AF_INET6 if ":" in target else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.connect((target, port or 9))
-            return sock.getsockname()[0]
-        except OSError:
-            return socket.gethostname()
-
-
-def listen_on(addr: str) -> int:
-    """A listening TCP socket on ``addr`` (any free port), handed over as a file descriptor.
-
-    ``TCPStore`` itself binds every interface whatever host it is given; a store created on this
-    descriptor listens only where the agents said this node can be reached.
-    """
-    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.bind(sockaddr)
-        sock.listen(1024)
-    except OSError:
-        sock.close()
-        raise
-    return sock.detach()
 
 
 def parse_config(params: RendezvousParameters) -> dict[str, Any]:
@@ -441,11 +376,7 @@ class StoreRendezvousHandler(RendezvousHandler):
 
     def _timeout_error(self, round_: int) -> RendezvousTimeoutError:
         joined = self._count(self._r(round_, "joined"))
-        return RendezvousTimeoutError(
-            f"rendezvous of job {self.run_id!r} did not complete within {self.join_timeout:g} s (join_timeout): "
-            f"round {round_} waited for at least {self.min_nodes} node(s) (at most {self.max_nodes}) and "
-            f"{joined} joined; start the other agents or lower --nnodes"
-        )
+        return timeout_error(self.run_id, self.join_timeout, round_, self.min_nodes, self.max_nodes, joined)
 
     def _prev_members(self, round_: int) -> list[str] | None:
         """Node ids of the members of round ``round_ - 1`` (None: no completed previous round)."""
@@ -578,16 +509,8 @@ class StoreRendezvousHandler(RendezvousHandler):
             self._put(streak_key, str(verdict.no_progress_streak))
             abort, abort_code = verdict.abort, verdict.abort_code
         generation = int(self._store.add(self._k("generation"), 1)) - 1
-        doc = {
-            "members": [dataclasses.asdict(m) for m in members],
-            "generation": generation,
-            "restarts_used": min(used, self.params.max_restarts) if abort is None else used,
-            "max_restarts": self.params.max_restarts,
-            "abort": abort,
-            "lost": lost,
-            "closed_at": time.time(),
-        }
-        doc["abort_code"] = abort_code
+        restarts_used = min(used, self.params.max_restarts) if abort is None else used
+        doc = result_document(members, generation, restarts_used, self.params.max_restarts, abort, abort_code, lost)
         self._put(self._r(round_, "result"), json.dumps(doc))
         if abort is not None:
             self._put(self._k("abort_code"), str(abort_code))
@@ -622,11 +545,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         store_key = self._r(round_, "store")
         self._worker_store = None
         if me.group_rank == 0:
-            import torch.distributed as dist
-
-            # The workers' store listens only on the address the agents use for this node.
-            self._worker_store = dist.TCPStore(me.addr, 0, is_master=True, wait_for_workers=False, use_libuv=True,
-                                               master_listen_fd=listen_on(me.addr))
+            self._worker_store = host_worker_store(me.addr)
             self._put(store_key, f"{me.addr}:{self._worker_store.port}")
         try:
             address = self._await_value(store_key, deadline, time.monotonic() + _STORE_WAIT)

@@ -7,9 +7,12 @@ and the rules are unit-testable.  docs/rendezvous-protocol.md explains them.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from dataclasses import dataclass
+from typing import Any
 
-from elastrun.rendezvous.api import FailureRecord, Member, NodeInfo, RoundResult
+from elastrun.rendezvous.api import FailureRecord, Member, NodeInfo, RendezvousTimeoutError, RoundResult
 
 
 @dataclass
@@ -111,6 +114,29 @@ def member_view(round_: int, doc: dict, members: list[Member], me: Member, store
         restarts_used=min(int(doc["restarts_used"]), int(doc["max_restarts"])),
         max_restarts=int(doc["max_restarts"]),
         lost_nodes=list(doc.get("lost", [])),
+    )
+
+
+def result_document(
+    members: list[Member], generation: int, restarts_used: int, max_restarts: int, abort: str | None,
+    abort_code: int, lost: list[str], **extra: Any,
+) -> dict[str, Any]:
+    """The result of a closed round as every backend stores it (JSON); ``member_view`` reads it back."""
+    return {
+        "members": [dataclasses.asdict(m) for m in members], "generation": generation,
+        "restarts_used": restarts_used, "max_restarts": max_restarts, "abort": abort, "abort_code": abort_code,
+        "lost": lost, "closed_at": time.time(), **extra,
+    }  # fmt: skip
+
+
+def timeout_error(
+    run_id: str, join_timeout: float, round_: int, min_nodes: int, max_nodes: int, joined: int
+) -> RendezvousTimeoutError:
+    """The error of a round that did not close within ``join_timeout``: what it waited for, and who came."""
+    return RendezvousTimeoutError(
+        f"rendezvous of job {run_id!r} did not complete within {join_timeout:g} s (join_timeout): "
+        f"round {round_} waited for at least {min_nodes} node(s) (at most {max_nodes}) and "
+        f"{joined} joined; start the other agents or lower --nnodes"
     )
 
 

@@ -27,7 +27,6 @@ time (``PYTHON*``, ``LD_*``, allocator and BLAS/OpenMP settings other than
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import select
@@ -35,16 +34,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from elastrun.config import LaunchConfig
 from elastrun.workers.api import WorkerHandle, WorkerLaunch, WorkerStarter
+from elastrun.workers.prctl import child_subreaper, set_child_subreaper
 from elastrun.workers.spawn import ChildHandle, ExecStarter, StreamSet
 
-_PR_SET_CHILD_SUBREAPER = 36
-_PR_GET_CHILD_SUBREAPER = 37
 #: ``--start-method`` values served by the pool (``fork``, the default); "spawn" execs every worker.
 POOL_METHODS = ("fork", "forkserver")
 #: How long a start waits for the template's imports before giving up on the pool.
@@ -65,27 +62,6 @@ _BOOTSTRAP = (
     "from elastrun.workers.template import main\n"
     "main(sys.argv[1:])\n"
 )
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _prctl(option: int, value: int) -> int:
-    return _libc.prctl(option, value, 0, 0, 0)
-
-
-def child_subreaper() -> bool:
-    """Whether this process adopts its orphaned descendants."""
-    flag = ctypes.c_int(0)
-    _libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0)
-    return bool(flag.value)
-
-
-def set_child_subreaper(on: bool) -> None:
-    """Make this process adopt (or stop adopting) its orphaned descendants."""
-    if _prctl(_PR_SET_CHILD_SUBREAPER, int(on)) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(err)}")
-
 
 def template_environment(base: Mapping[str, str], nproc: int) -> dict[str, str]:
     """The template's environment: the workers' base, with the thread count they will get.
@@ -151,8 +127,6 @@ class PoolStarter(WorkerStarter):
         self._noticed: set[str] = set()
         self._was_subreaper: bool | None = None
         #: Seconds from ``prepare`` until the template reported its imports done (for benchmarks).
-        self.ready_after: float | None = None
-        self._prepared_at = 0.0
 
     # ------------------------------------------------------------------ life cycle
     def prepare(self) -> None:
@@ -183,7 +157,6 @@ class PoolStarter(WorkerStarter):
         finally:
             theirs.close()
         self._sock = ours
-        self._prepared_at = time.monotonic()
 
     def close(self) -> None:
         """Stop the template and stop adopting orphans (when this starter turned that on)."""
@@ -250,7 +223,6 @@ class PoolStarter(WorkerStarter):
         except OSError as exc:
             self._give_up(f"the template did not start ({exc})")
             return
-        self.ready_after = time.monotonic() - self._prepared_at
         self._ready = True
         if reply.get("failed_preload"):
             self._notice(f"--preload could not import {'; '.join(reply['failed_preload'])}", broken=False)

@@ -14,7 +14,6 @@ Each worker:
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -27,7 +26,8 @@ from elastrun.workers.logs import StreamPump
 #: Serialises console writes of all pumps of this agent.
 CONSOLE_LOCK = threading.Lock()
 
-# Runs under ``python -S``: set the parent-death signal, make sure the agent did not die before
+# Runs under ``python -S``: set the parent-death signal (prctl(PR_SET_PDEATHSIG), spelled out: this
+# bare interpreter cannot import elastrun.workers.prctl), make sure the agent did not die before
 # that, then become the real worker.  argv: shim, agent_pid, program, args...
 _PDEATHSIG_SHIM = (
     "import ctypes,os,signal,sys\n"
@@ -163,25 +163,6 @@ class ExecStarter(WorkerStarter):
             raise
         streams.start()
         return ChildHandle(launch, proc.pid, streams, proc)
-
-
-def kill_process_tree(pid: int, sig: int = signal.SIGKILL) -> None:
-    """Signal ``pid``'s process group and every descendant (those that left the group too)."""
-    import psutil
-
-    try:
-        children = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        children = []
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for child in children:
-        try:
-            child.send_signal(sig)
-        except psutil.Error:
-            pass
 
 
 def error_file_path(base: Path, generation: int, rank: int) -> Path:

@@ -30,7 +30,6 @@ atexit handlers, non-daemon threads, flushing, death by SIGINT after ``KeyboardI
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import importlib
 import io
@@ -44,22 +43,12 @@ import time
 from dataclasses import dataclass
 
 from elastrun.workers.bootstrap import run_target
+from elastrun.workers.prctl import set_parent_death_signal
 
-_PR_SET_PDEATHSIG = 1
 #: Imports every worker of a torch job pays: ``torch._dynamo`` comes with the first DDP model.
 BASE_IMPORTS = ("torch", "torch._dynamo", "torch.nn.parallel", "torch.distributed")
 _MAX_MESSAGE = 4 << 20
 _REPARENT_TIMEOUT = 5.0
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def set_parent_death_signal(sig: int) -> None:
-    """Ask the kernel to send ``sig`` to this process when its parent thread exits."""
-    if _libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
 
 @dataclass
 class Job:

@@ -15,6 +15,7 @@ from typing import Any
 
 from elastrun.rendezvous import conf
 from elastrun.rendezvous.api import RendezvousConfigError, RendezvousHandler, RendezvousParameters
+from elastrun.rendezvous.endpoint import split_endpoint
 from elastrun.rendezvous.etcd.status import read_job_status  # ``elastrun status`` (pure client)
 
 #: ``--rdzv-conf`` keys of the etcd backend, with defaults.
@@ -83,8 +84,6 @@ def parse_config(params: RendezvousParameters) -> dict[str, Any]:
 
 def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:
     """``h1:2379,h2:2379`` (port optional, ``[v6]:port`` allowed) → [(host, port), ...]."""
-    from elastrun.rendezvous.c10d import split_endpoint
-
     members = [part.strip() for part in endpoint.split(",") if part.strip()]
     if not members:
         raise RendezvousConfigError(

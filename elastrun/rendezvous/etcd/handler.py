@@ -58,6 +58,7 @@ from elastrun.rendezvous.api import (
     RoundResult,
 )
 from elastrun.rendezvous.auth import JobAuth, JobToken, JobTokenRejected, NoAuth, load_token
+from elastrun.rendezvous.endpoint import host_worker_store, route_address
 from elastrun.rendezvous.etcd.client import (
     KV,
     EtcdClient,
@@ -75,7 +76,15 @@ from elastrun.rendezvous.etcd.client import (
     op_put,
     prefix_end,
 )
-from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, judge_round_end, member_view
+from elastrun.rendezvous.rounds import (
+    CloseInputs,
+    assign_ranks,
+    close_size,
+    judge_round_end,
+    member_view,
+    result_document,
+    timeout_error,
+)
 
 #: A waiting node re-reads the state at least this often even without a watch event (safety net).
 _RECHECK = 2.0
@@ -91,8 +100,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
     backend_name = "etcd"
 
     def __init__(self, params: RendezvousParameters, endpoints: list[tuple[str, int]], conf: dict[str, Any]) -> None:
-        from elastrun.rendezvous.c10d import route_address
-
         self.params = params
         self.conf = conf
         self.run_id = params.run_id
@@ -349,11 +356,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return int(found) if found else 1
 
     def _timeout_error(self, round_: int, joined: int) -> RendezvousTimeoutError:
-        return RendezvousTimeoutError(
-            f"rendezvous of job {self.run_id!r} did not complete within {self.join_timeout:g} s (join_timeout): "
-            f"round {round_} waited for at least {self.min_nodes} node(s) (at most {self.max_nodes}) and "
-            f"{joined} joined; start the other agents or lower --nnodes"
-        )
+        return timeout_error(self.run_id, self.join_timeout, round_, self.min_nodes, self.max_nodes, joined)
 
     def _await_close(self, round_: int, cursor: int, deadline: float) -> dict:
         """Wait for round ``round_``'s result; the earliest live joiner closes it when the rules allow."""
@@ -481,12 +484,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                                       self.params.max_restarts, self.params.crash_loop_limit)
             used, streak = verdict.restarts_used, verdict.no_progress_streak
             abort, abort_code = verdict.abort, verdict.abort_code
-        doc = json.dumps({
-            "members": [dataclasses.asdict(m) for m in members], "generation": generation,
-            "restarts_used": used, "max_restarts": self.params.max_restarts, "abort": abort,
-            "abort_code": abort_code, "no_progress_streak": streak, "lost": lost,
-            "closed_at": time.time(),
-        })
+        doc = json.dumps(result_document(members, generation, used, self.params.max_restarts, abort, abort_code,
+                                         lost, no_progress_streak=streak))
         def put(key: str, value: str) -> dict[str, Any]:
             return op_put(key, self._seal(key, value), self._job_lease)
 
@@ -514,13 +513,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         host = next(m for m in members if m.group_rank == 0)
         self._worker_store = None
         if me.group_rank == 0:
-            import torch.distributed as dist
-
-            from elastrun.rendezvous.c10d import listen_on
-
-            # The workers' store listens only on the address the agents use for this node.
-            self._worker_store = dist.TCPStore(me.addr, 0, is_master=True, wait_for_workers=False, use_libuv=True,
-                                               master_listen_fd=listen_on(me.addr))
+            self._worker_store = host_worker_store(me.addr)
             address = self._seal(store_key, f"{me.addr}:{self._worker_store.port}")
             self._retry(lambda: self._kv.put(store_key, address, self._job_lease), deadline, "publish the store")
         while True:
