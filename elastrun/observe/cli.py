@@ -68,9 +68,14 @@ def status_main(argv: list[str]) -> int:
     if args.interval <= 0 or args.timeout <= 0:
         print("elastrun status: error: --interval and --timeout must be positive", file=sys.stderr)
         return 2
-    from elastrun.observe.status import StatusNotSupportedError, format_status, read_status, watch
+    from elastrun.observe.status import format_status, read_status, watch
     from elastrun.rendezvous import conf as rdzv_conf
-    from elastrun.rendezvous.api import RendezvousConfigError, RendezvousError, RendezvousParameters
+    from elastrun.rendezvous.api import (
+        RendezvousConfigError,
+        RendezvousError,
+        RendezvousParameters,
+        StatusNotSupportedError,
+    )
 
     try:
         conf = rdzv_conf.split(args.conf)

@@ -1,17 +1,11 @@
-"""``elastrun status``: find the backend's status reader, and format what it returns.
+"""``elastrun status``: read a job's status through its rendezvous backend, and format it.
 
-A backend supports ``elastrun status`` by providing a *status reader*::
-
-    def read_job_status(params: RendezvousParameters, timeout: float) -> dict
-
-that connects to the job's rendezvous as a pure client (it must not host, join or write), and
-returns the document described in docs/observe.md, or raises a ``RendezvousError`` subclass whose
-message is one line (``RendezvousConnectionError`` when the backend cannot be reached,
-``JobNotFoundError`` when it has no such job).  Readers are found, in this order: one passed to
-:func:`register_status_reader`; the built-in store reader for ``c10d`` and ``static``; a
-``read_job_status`` function in the module that defines the backend's ``create_handler`` or in
-that module's package (so the etcd backend, or a third-party one, supports status by defining
-that one function).
+Each backend reads its own store (``RendezvousBackend.read_status``: c10d and static in
+:mod:`elastrun.rendezvous.store_status`, etcd in :mod:`elastrun.rendezvous.etcd.status`) as a
+pure client that must not host, join or write, and returns the document described in
+docs/observe.md, or raises a ``RendezvousError`` subclass whose message is one line
+(``RendezvousConnectionError`` when the backend cannot be reached, ``JobNotFoundError`` when it
+has no such job, ``StatusNotSupportedError`` when it has no reader).  This module only formats.
 """
 
 from __future__ import annotations
@@ -21,50 +15,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elastrun.rendezvous import registry
 from elastrun.rendezvous.api import RendezvousConfigError, RendezvousError, RendezvousParameters
-
-StatusReader = Callable[[RendezvousParameters, float], dict]
-
-_readers: dict[str, StatusReader] = {}
-_BUILTIN = {"c10d": "elastrun.observe.store_status", "static": "elastrun.observe.store_status"}
-
-
-class StatusNotSupportedError(RendezvousError):
-    """The backend has no status reader."""
-
-
-def register_status_reader(backend: str, reader: StatusReader) -> None:
-    """Use ``reader`` for ``elastrun status --rdzv-backend backend``."""
-    _readers[backend] = reader
-
-
-def find_status_reader(backend: str) -> StatusReader:
-    """The status reader of ``backend``; :class:`StatusNotSupportedError` or a config error if none."""
-    if backend in _readers:
-        return _readers[backend]
-    if backend in _BUILTIN:
-        module = __import__(_BUILTIN[backend], fromlist=["read_job_status"])
-        return module.read_job_status
-    from elastrun.rendezvous.registry import get_factory
-
-    factory = get_factory(backend)  # unknown name: RendezvousConfigError listing the known ones
-    name = getattr(factory, "__module__", "") or ""
-    # The module defining create_handler, then its package (a backend split into a package).
-    for candidate in (name, name.rpartition(".")[0]):
-        reader = getattr(sys.modules.get(candidate), "read_job_status", None)
-        if callable(reader):
-            return reader
-    raise StatusNotSupportedError(
-        f"the {backend!r} rendezvous backend does not support 'elastrun status' (its module {name} "
-        "has no read_job_status function)"
-    )
 
 
 def read_status(params: RendezvousParameters, timeout: float = 3.0) -> dict[str, Any]:
     """Read the job's status with its backend's reader (errors are ``RendezvousError`` subclasses)."""
-    reader = find_status_reader(params.backend)
     try:
-        return reader(params, timeout)
+        return registry.read_status(params, timeout)
     except RendezvousError:
         raise
     except (ValueError, KeyError, TypeError) as exc:

@@ -66,6 +66,14 @@ class JobFinishedError(RendezvousError):
     """The job this node tried to join has already finished successfully."""
 
 
+class JobNotFoundError(RendezvousError):
+    """``elastrun status``: the backend answers but holds no job under the given run id."""
+
+
+class StatusNotSupportedError(RendezvousError):
+    """``elastrun status``: the backend has no status reader."""
+
+
 @dataclass
 class NodeInfo:
     """What a node tells the others when it joins a round."""
@@ -248,6 +256,31 @@ class RendezvousHandler(abc.ABC):
     def close(self) -> None:
         """Stop background threads and release resources; the last node out removes the job's keys."""
 
-    def describe(self) -> dict:
-        """A JSON-able snapshot of the job (round, members, restarts, heartbeat ages) for ``elastrun status``."""
-        raise NotImplementedError(f"backend {self.backend_name!r} cannot describe a job")
+
+class RendezvousBackend(abc.ABC):
+    """A rendezvous backend, as registered under a ``--rdzv-backend`` name (see ``registry``).
+
+    One object answers everything elastrun asks of a backend: whether a job's settings are valid
+    (before anything starts), the handler of one agent, and the job's status for ``elastrun status``.
+    The command line, :func:`elastrun.launcher.launch` and ``elastrun status`` all go through it.
+    """
+
+    def validate(self, params: RendezvousParameters) -> None:
+        """Check ``params`` (endpoint, ``--rdzv-conf``, node counts) without connecting anywhere.
+
+        Raises :class:`RendezvousConfigError` with one line saying what is wrong.  The default
+        accepts everything.
+        """
+
+    @abc.abstractmethod
+    def create_handler(self, params: RendezvousParameters) -> RendezvousHandler:
+        """This agent's handler for the job (may connect; raises :class:`RendezvousError` subclasses)."""
+
+    def read_status(self, params: RendezvousParameters, timeout: float) -> dict[str, Any]:
+        """The job's state for ``elastrun status`` (docs/observe.md), read as a pure client.
+
+        Must not host, join or write.  Raises :class:`RendezvousConnectionError` when the backend
+        cannot be reached, :class:`JobNotFoundError` when it has no such job, and by default
+        :class:`StatusNotSupportedError`.
+        """
+        raise StatusNotSupportedError(f"the {params.backend!r} rendezvous backend does not support 'elastrun status'")

@@ -30,6 +30,7 @@ from elastrun.rendezvous.api import (
     JobFinishedError,
     Member,
     NodeInfo,
+    RendezvousBackend,
     RendezvousConfigError,
     RendezvousConnectionError,
     RendezvousHandler,
@@ -50,6 +51,7 @@ from elastrun.rendezvous.rounds import (
     result_document,
     timeout_error,
 )
+from elastrun.rendezvous.store_status import read_job_status
 
 #: ``--rdzv-conf`` keys of the store backends, with defaults.
 CONFIG_KEYS: dict[str, conf.Key] = {
@@ -679,15 +681,6 @@ class StoreRendezvousHandler(RendezvousHandler):
                 return
             time.sleep(0.1)
 
-    # ------------------------------------------------------------------ introspection
-    @_store_errors
-    def describe(self) -> dict:
-        """The ``elastrun status --json`` document of this job (read-only; see docs/observe.md)."""
-        from elastrun.observe.store_status import read_store_status
-
-        return read_store_status(self._store, self.run_id, f"{self.store_host}:{self.store_port}", self.backend_name,
-                                 self._auth)
-
 
 class _Slots:
     """The authentic joins of one round, read slot by slot as its ``joined`` counter grows (token only)."""
@@ -747,3 +740,19 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         is_host = True
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     return StoreRendezvousHandler(params, host, port, is_host)
+
+
+class StoreBackend(RendezvousBackend):
+    """``--rdzv-backend=c10d``: checks, handler and status reader (:mod:`elastrun.rendezvous.store_status`)."""
+
+    def validate(self, params: RendezvousParameters) -> None:
+        validate_params(params)
+
+    def create_handler(self, params: RendezvousParameters) -> RendezvousHandler:
+        return create_handler(params)
+
+    def read_status(self, params: RendezvousParameters, timeout: float) -> dict[str, Any]:
+        return read_job_status(params, timeout)
+
+
+BACKEND = StoreBackend()

@@ -12,7 +12,7 @@ import os
 
 from elastrun.config import DEFAULT_MASTER_PORT
 from elastrun.rendezvous.api import RendezvousConfigError, RendezvousHandler, RendezvousParameters
-from elastrun.rendezvous.c10d import StoreRendezvousHandler, parse_config
+from elastrun.rendezvous.c10d import StoreBackend, StoreRendezvousHandler, parse_config
 
 
 class StaticRendezvousHandler(StoreRendezvousHandler):
@@ -43,3 +43,16 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         port = 0 if params.max_nodes == 1 else DEFAULT_MASTER_PORT
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     return StaticRendezvousHandler(params, params.master_addr, port, is_host=params.node_rank == 0)
+
+
+class StaticBackend(StoreBackend):
+    """``--rdzv-backend=static``: c10d's rounds and status reader, with fixed ranks and node count."""
+
+    def validate(self, params: RendezvousParameters) -> None:
+        validate_params(params)
+
+    def create_handler(self, params: RendezvousParameters) -> RendezvousHandler:
+        return create_handler(params)
+
+
+BACKEND = StaticBackend()

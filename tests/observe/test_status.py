@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from elastrun.observe.status import StatusNotSupportedError, read_status
+from elastrun.observe.status import read_status
 from elastrun.rendezvous import registry
-from elastrun.rendezvous.api import RendezvousParameters
+from elastrun.rendezvous.api import RendezvousParameters, StatusNotSupportedError
 from tests.harness import REPO, alive, base_env, free_port, listening, read_steps, wait_until
 
 
@@ -115,7 +115,7 @@ def test_status_of_a_missing_job_or_store_is_one_line_and_exit_1(agents, tmp_pat
     assert len(res.stderr.strip().splitlines()) == 1 and "no job 'other-job'" in res.stderr, res.stderr
 
 
-def _handler_without_status(params):  # a registered backend whose module has no read_job_status
+def _handler_without_status(params):  # a backend registered as a bare factory: no status reader
     raise AssertionError("status must not create a handler")
 
 

@@ -5,7 +5,7 @@ reads every key under ``/elastrun/<run_id>/`` in one range request (so the pictu
 consistent etcd revision), then asks etcd how long each member's agent lease has left
 (``LeaseTimeToLive``, also read-only).  The key layout is the one documented in
 :mod:`elastrun.rendezvous.etcd.handler`; the document returned has the fields of the c10d
-reader's (:func:`elastrun.observe.store_status.read_store_status`, docs/observe.md) plus a few
+reader's (:func:`elastrun.rendezvous.store_status.read_store_status`, docs/observe.md) plus a few
 etcd-only ones:
 
 - ``incarnation`` (top level): the id of the job's live incarnation (``P/epoch``);
@@ -31,9 +31,11 @@ import threading
 import time
 from typing import Any
 
-from elastrun.observe.status_doc import status_document
-from elastrun.rendezvous.api import RendezvousConnectionError, RendezvousError, RendezvousParameters
+from elastrun.rendezvous.api import JobNotFoundError, RendezvousConnectionError, RendezvousError, RendezvousParameters
 from elastrun.rendezvous.auth import JobToken, load_token
+from elastrun.rendezvous.etcd.client import EtcdClient, EtcdSettings, EtcdUnavailable, Shared, prefix_end
+from elastrun.rendezvous.etcd.settings import parse_config, parse_endpoints, require_client
+from elastrun.rendezvous.status_doc import status_document
 
 #: What the document shows of a node waiting in the open round (from its NodeInfo).
 
@@ -42,8 +44,6 @@ _clients_lock = threading.Lock()
 
 
 def _job_not_found(run_id: str, endpoint: str) -> RendezvousError:
-    from elastrun.observe.store_status import JobNotFoundError
-
     return JobNotFoundError(
         f"no job {run_id!r} at etcd {endpoint} (etcd answers, but holds no keys under /elastrun/{run_id}/: "
         "no agent of that --rdzv-id is running, or the job ended); check --rdzv-id"
@@ -76,8 +76,6 @@ def _probe(endpoints: list[tuple[str, int]], timeout: float) -> None:
 
 def _client(params: RendezvousParameters, timeout: float) -> tuple[Any, str]:
     """A cached :class:`EtcdClient` for the job's endpoints and ``--rdzv-conf`` (kept for ``--watch``)."""
-    from elastrun.rendezvous.etcd import parse_config, parse_endpoints, require_client
-
     require_client(params)
     endpoints = parse_endpoints(params.endpoint)
     conf = parse_config(params)
@@ -89,8 +87,6 @@ def _client(params: RendezvousParameters, timeout: float) -> tuple[Any, str]:
     if client is not None:
         return client, text
     _probe(endpoints, min(timeout, 1.0))
-    from elastrun.rendezvous.etcd.client import EtcdClient, EtcdSettings, Shared
-
     settings = EtcdSettings(
         endpoints=endpoints, protocol=conf["protocol"], ca_cert=conf["ca_cert"], client_cert=conf["client_cert"],
         client_key=conf["client_key"], username=conf["username"], password=conf["password"],
@@ -113,13 +109,11 @@ def read_etcd_status(client: Any, run_id: str, endpoint: str = "", backend: str 
                      lease_budget: float = 3.0, token: JobToken | None = None) -> dict[str, Any]:
     """A JSON-able snapshot of job ``run_id`` through ``client`` (an :class:`EtcdClient`).
 
-    Raises :class:`~elastrun.observe.store_status.JobNotFoundError` when etcd holds no such job.
+    Raises :class:`~elastrun.rendezvous.api.JobNotFoundError` when etcd holds no such job.
     ``lease_budget`` bounds the seconds spent asking for members' lease TTLs (a huge job's
     remaining members then show ``heartbeat_age`` null).  ``token`` is this reader's job token
     (None: none); :class:`~elastrun.rendezvous.auth.JobTokenRejected` when it does not match the job's.
     """
-    from elastrun.rendezvous.etcd.client import prefix_end
-
     p = f"/elastrun/{run_id}/"
     kvs, _ = client.range(p, prefix_end(p))
     revision = client.revision
@@ -223,10 +217,8 @@ def read_job_status(params: RendezvousParameters, timeout: float = 3.0) -> dict[
     ``params.endpoint`` lists the etcd members (``H:P[,H:P...]``); ``params.config`` takes the
     launch's ``--rdzv-conf`` (TLS files, user and password).  Raises
     :class:`RendezvousConnectionError` when no member answers (naming each), and
-    :class:`~elastrun.observe.store_status.JobNotFoundError` when etcd holds no such job.
+    :class:`~elastrun.rendezvous.api.JobNotFoundError` when etcd holds no such job.
     """
-    from elastrun.rendezvous.etcd.client import EtcdUnavailable
-
     token = JobToken(load_token(params.config.get("token_file")), params.run_id)
     client, text = _client(params, timeout)
     try:

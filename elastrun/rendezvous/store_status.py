@@ -3,14 +3,14 @@
 ``elastrun status`` must never disturb the job it looks at: it does not host the store, does
 not join a round and does not write a key.  It only uses the store's read operations
 (``check``, ``get``, ``multi_get`` on keys known to exist, so no read ever blocks waiting for a
-key), on the keys the c10d backend writes under ``/elastrun/<run_id>/`` (see
+key), on the keys the c10d and static backends write under ``/elastrun/<run_id>/`` (see
 elastrun/rendezvous/c10d.py and docs/rendezvous-protocol.md).  A job started with a job token
 keeps its keys under a secret namespace and seals its values: the reader needs the same token
 (``--rdzv-conf token_file=PATH`` or ``$ELASTRUN_JOB_TOKEN``) and shows only authentic values.
 
 :func:`read_store_status` works on any store object with those methods (a handler's own store
-as well as a fresh client); :func:`read_job_status` is the backend's status reader that
-:mod:`elastrun.observe.status` looks up by name.
+as well as a fresh client); :func:`read_job_status` is what the c10d and static backends'
+``read_status`` call.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import threading
 import time
 from typing import Any
 
-from elastrun.observe.status_doc import status_document
-from elastrun.rendezvous.api import RendezvousConnectionError, RendezvousError, RendezvousParameters
+from elastrun.rendezvous.api import JobNotFoundError, RendezvousConnectionError, RendezvousError, RendezvousParameters
 from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth, load_token
 from elastrun.rendezvous.endpoint import split_endpoint
+from elastrun.rendezvous.status_doc import status_document
 
 #: A member whose heartbeat is older than this is shown as ``silent`` (the default heartbeat
 #: interval is 0.5 s; agents declare a node lost after ``heartbeat_timeout``, 2.5 s by default).
@@ -40,10 +40,6 @@ DEFAULT_PORTS = {"c10d": 29400, "static": 29500}
 
 _clients: dict[tuple[str, int], Any] = {}
 _clients_lock = threading.Lock()
-
-
-class JobNotFoundError(RendezvousError):
-    """The store answers but holds no job under the given run id."""
 
 
 class _Reader:
