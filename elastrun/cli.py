@@ -30,6 +30,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from elastrun import log
 from elastrun.config import (
     ALLOWED,
     DEFAULT_EXIT_BARRIER_TIMEOUT,
@@ -666,13 +667,14 @@ def parse_with_warnings(argv: Sequence[str], environ: Mapping[str, str]) -> tupl
 def parse(argv: list[str], environ: Mapping[str, str]) -> LaunchConfig:
     """Read argv (without the program name) and ``environ`` into a checked :class:`LaunchConfig`.
 
-    Warnings (settings accepted but without effect) go to stderr, one line each, unless
-    ``--quiet``.  Raises :class:`UsageError` for any mistake.
+    Sets elastrun's console messages to ``--quiet``/``--verbose`` (:func:`elastrun.log.configure`)
+    and reports warnings (settings accepted but without effect) there, one line each.  Raises
+    :class:`UsageError` for any mistake.
     """
     config, warnings = parse_with_warnings(argv, environ)
-    if not config.quiet:
-        for line in warnings:
-            print(f"{PROG}: warning: {line}", file=sys.stderr)
+    log.configure(config.quiet, config.verbose)
+    for line in warnings:
+        log.get("cli").warning(line)
     return config
 
 
@@ -723,10 +725,7 @@ def _run_subcommand(argv: list[str]) -> int:
     try:
         from elastrun.observe.cli import main as observe_main
     except ImportError as exc:
-        print(
-            f"{PROG}: error: '{PROG} {argv[0]}' is not available in this installation ({exc})",
-            file=sys.stderr,
-        )
+        log.get("cli").error(f"'{PROG} {argv[0]}' is not available in this installation ({exc})")
         return 2
     return observe_main(argv)
 
@@ -742,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
         print(request.text)
         return 0
     except UsageError as error:
-        print(f"{PROG}: error: {' '.join(str(error).split()) or 'invalid command line'}", file=sys.stderr)
+        log.get("cli").error(" ".join(str(error).split()) or "invalid command line")
         return 2
     from elastrun.launcher import run
 

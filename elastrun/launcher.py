@@ -28,9 +28,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from elastrun import log
 from elastrun.config import LaunchConfig
 from elastrun.errors import UsageError
 from elastrun.rendezvous.api import RendezvousConfigError, RendezvousError, RendezvousParameters
+
+_log = log.get("launcher")
 
 
 class LaunchError(RuntimeError):
@@ -85,10 +88,12 @@ def run(config: LaunchConfig) -> int:
     base_env = dict(os.environ)
     from elastrun.rendezvous.registry import create_handler
 
+    log.configure(config.quiet, config.verbose)
+    base_env[log.LEVEL_ENV] = log.level_name()  # elastrun.train in the workers speaks at the same level
     try:
         check(config)
     except UsageError as exc:
-        print(f"elastrun: error: {exc}", file=sys.stderr)
+        _log.error(str(exc))
         return 2
     params = rendezvous_parameters(config)
     starter = make_starter(config, base_env)
@@ -100,11 +105,11 @@ def run(config: LaunchConfig) -> int:
         handler = create_handler(params)
     except RendezvousConfigError as exc:
         starter.close()
-        print(f"elastrun: error: {exc}", file=sys.stderr)
+        _log.error(str(exc))
         return 2
     except RendezvousError as exc:
         starter.close()
-        print(f"elastrun: error: {exc}", file=sys.stderr)
+        _log.error(str(exc))
         return 1
     except BaseException:
         starter.close()
@@ -114,7 +119,7 @@ def run(config: LaunchConfig) -> int:
     agent = LocalAgent(config, handler, starter, base_env=base_env)
 
     def rendezvous_warning(message: str, fields: dict[str, Any]) -> None:
-        print(f"elastrun: warning: {message}", file=sys.stderr)
+        log.get("rendezvous").warning(message)
         agent.events.emit("rendezvous_warning", message=message, **fields)
 
     handler.on_warning = rendezvous_warning

@@ -2,48 +2,32 @@
 
 Training output belongs to the workers; the agent says one line per round, per failure and per
 recovery.  ``--quiet`` keeps only errors; ``--verbose`` adds details (member lists, tracebacks).
+The lines go through :mod:`elastrun.log` (the ``elastrun.agent`` logger), like every other
+message of elastrun, so ``-q``/``-v`` mean the same for the agent, the pool and the rendezvous.
 """
 
 from __future__ import annotations
 
-import sys
-import threading
-import time
+from elastrun import log
 
-from elastrun.workers.spawn import CONSOLE_LOCK
+_log = log.get("agent")
 
 
 class Console:
-    """Writes ``elastrun[<node>] <time> <message>`` lines to stderr."""
+    """The agent's messages, as ``elastrun[<node>] <time> <message>`` lines on stderr."""
 
     def __init__(self, node_id: str, quiet: bool = False, verbose: bool = False) -> None:
-        self.prefix = f"elastrun[{node_id}]"
-        self.quiet = quiet
-        self.verbose = verbose
-        self._lock: threading.Lock = CONSOLE_LOCK
-
-    def _write(self, level: str, message: str) -> None:
-        stamp = time.strftime("%H:%M:%S")
-        lines = message.rstrip("\n").split("\n")
-        text = f"{self.prefix} {stamp} {level}{lines[0]}\n" + "".join(f"    {line}\n" for line in lines[1:])
-        with self._lock:
-            try:
-                sys.stderr.write(text)
-                sys.stderr.flush()
-            except (OSError, ValueError):
-                pass
+        log.configure(quiet, verbose)
+        log.set_node(node_id)
 
     def info(self, message: str, detail: str | None = None) -> None:
-        if not self.quiet:
-            self._write("", message if not (detail and self.verbose) else f"{message}\n{detail}")
+        _log.info(f"{message}\n{detail}" if detail and log.verbose() else message)
 
     def warn(self, message: str) -> None:
-        if not self.quiet:
-            self._write("warning: ", message)
+        _log.warning(message)
 
     def error(self, message: str) -> None:
-        self._write("error: ", message)
+        _log.error(message)
 
     def debug(self, message: str) -> None:
-        if self.verbose:
-            self._write("debug: ", message)
+        _log.debug(message)

@@ -9,8 +9,9 @@ subcommands that need them.
 from __future__ import annotations
 
 import os
-import sys
 from typing import TYPE_CHECKING
+
+from elastrun import log
 
 if TYPE_CHECKING:
     from elastrun.config import LaunchConfig
@@ -64,10 +65,9 @@ def start_observability(config: LaunchConfig, events: EventLog) -> Observability
         try:
             server = MetricsServer(registry.render, host, int(config.metrics_port))
         except OSError as exc:
-            print(
-                f"elastrun: warning: cannot serve metrics on {host}:{config.metrics_port} ({exc}); "
-                "the job runs without a metrics endpoint",
-                file=sys.stderr,
+            log.get("observe").warning(
+                f"cannot serve metrics on {host}:{config.metrics_port} ({exc}); "
+                "the job runs without a metrics endpoint"
             )
     return Observability(registry, server, listener)
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
+
+from elastrun import log
 
 #: Something called with every event record (a dict), e.g. the metrics registry's feeder.
 Listener = Callable[[dict[str, Any]], None]
@@ -87,7 +88,7 @@ class EventLog:
             try:
                 listener(record)
             except Exception as exc:  # a broken listener must not stop the agent
-                print(f"elastrun: event listener failed: {exc}", file=sys.stderr)
+                log.get("observe").error(f"event listener failed: {exc}")
         return record
 
     def close(self) -> None:

@@ -27,10 +27,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 import json
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from elastrun import log
 
 
 class RendezvousError(Exception):
@@ -213,15 +214,16 @@ class RendezvousHandler(abc.ABC):
     #: Name under which the backend is registered (``--rdzv-backend``).
     backend_name: str = ""
     #: Receives ``(message, fields)`` for each rendezvous warning (e.g. a forged value ignored);
-    #: the launcher connects it to the agent's event log.  Unset, warnings go to stderr.
+    #: the launcher connects it to the agent's event log.  Unset, warnings go to the console
+    #: (the ``elastrun.rendezvous`` logger).
     on_warning: Callable[[str, dict[str, Any]], None] | None = None
 
     def warn(self, message: str, **fields: Any) -> None:
-        """Report a rendezvous warning: one line, to :attr:`on_warning` or stderr."""
+        """Report a rendezvous warning: one line, to :attr:`on_warning` or the console."""
         if self.on_warning is not None:
             self.on_warning(message, fields)
         else:
-            print(f"elastrun: warning: {message}", file=sys.stderr)
+            log.get("rendezvous").warning(message)
 
     @abc.abstractmethod
     def next_round(self, node: NodeInfo) -> RoundResult:

@@ -21,7 +21,6 @@ import pickle
 import shutil
 import struct
 import time
-import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 
 import torch
 
+from elastrun.train import notes
 from elastrun.train.blob import ALIGN
 from elastrun.train.fileio import atomic_write, file_crc32
 
@@ -103,7 +103,7 @@ class CheckpointDir:
         while not all((d / n).exists() for n in names):
             if time.monotonic() > deadline:
                 missing = [n for n in names if not (d / n).exists()]
-                warnings.warn(f"checkpoint step {step} left incomplete: {missing} never arrived", stacklevel=2)
+                notes.warn(f"checkpoint step {step} left incomplete: {missing} never arrived", stacklevel=2)
                 return False
             time.sleep(0.02)
         files = {SHARED: {"size": shared[0], "crc32": shared[1]}}
@@ -153,7 +153,7 @@ class CheckpointDir:
                     raise ValueError(f"no {SHARED} entry")
             except (ValueError, KeyError, TypeError, OSError) as e:
                 if warn:
-                    warnings.warn(
+                    notes.warn(
                         f"checkpoint manifest {mpath} is unreadable ({e}); ignoring that checkpoint",
                         stacklevel=2,
                     )
@@ -168,7 +168,7 @@ class CheckpointDir:
                     break
             if bad:
                 if warn:
-                    warnings.warn(bad, stacklevel=2)
+                    notes.warn(bad, stacklevel=2)
                 continue
             found.append(DiskCandidate(step, ws, d, files))
         return sorted(found, key=lambda c: -c.step)
@@ -212,6 +212,6 @@ class CheckpointDir:
         except OSError:
             return None
         if zlib.crc32(payload) != cand.files[name]["crc32"]:
-            warnings.warn(f"checkpoint file {p} is corrupt (CRC mismatch); re-deriving that rank's RNG", stacklevel=2)
+            notes.warn(f"checkpoint file {p} is corrupt (CRC mismatch); re-deriving that rank's RNG", stacklevel=2)
             return None
         return payload

@@ -25,14 +25,13 @@ import signal
 import socket
 import tempfile
 import threading
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from elastrun.train import dist as edist
-from elastrun.train import rng
+from elastrun.train import notes, rng
 from elastrun.train.background import BackgroundJob
 from elastrun.train.blob import copy_into, flatten, make_header, materialize
 from elastrun.train.checkpoint import CheckpointCorrupt, CheckpointDir, DiskCandidate
@@ -287,7 +286,7 @@ class State:
         if self._persister.busy() and not must:
             if not self._skipped_warned:
                 self._skipped_warned = True
-                warnings.warn(
+                notes.warn(
                     f"checkpoint of step {header['step']} skipped: the previous one is still being written "
                     "(raise checkpoint_every); this warning is shown once",
                     stacklevel=2,
@@ -380,7 +379,7 @@ class State:
                 info = slots[plan.step]
                 return materialize(info.header, self._mem.read(info))
             except (OSError, ValueError, KeyError) as e:
-                warnings.warn(f"memory snapshot of step {plan.step} unreadable on rank {self._rank}: {e}", stacklevel=3)
+                notes.warn(f"memory snapshot of step {plan.step} unreadable on rank {self._rank}: {e}", stacklevel=3)
                 return None
         header: Any = None
         data = None
@@ -392,10 +391,10 @@ class State:
                 else:
                     header, data = self._ckpt.load_shared(disk[plan.step])  # type: ignore[union-attr]
             except CheckpointCorrupt as e:
-                warnings.warn(f"{e}; using an older checkpoint", stacklevel=3)
+                notes.warn(f"{e}; using an older checkpoint", stacklevel=3)
                 header = {"error": str(e)}
             except (OSError, ValueError, KeyError) as e:
-                warnings.warn(f"step {plan.step} unreadable from {plan.source} on rank {self._rank}: {e}", stacklevel=3)
+                notes.warn(f"step {plan.step} unreadable from {plan.source} on rank {self._rank}: {e}", stacklevel=3)
                 header = {"error": str(e)}
         header = edist.broadcast_obj(header, plan.src_rank)  # type: ignore[arg-type]
         if "error" in header:
@@ -439,7 +438,7 @@ class State:
     # -- pre-emption ------------------------------------------------------------------------------
     def _install_signal_handler(self) -> None:
         if threading.current_thread() is not threading.main_thread():
-            warnings.warn("State created off the main thread: SIGTERM pre-emption handling disabled", stacklevel=3)
+            notes.warn("State created off the main thread: SIGTERM pre-emption handling disabled", stacklevel=3)
             return
         previous = signal.getsignal(signal.SIGTERM)
 
@@ -456,12 +455,12 @@ class State:
         try:
             self._finish_copy()
         except RuntimeError as e:
-            warnings.warn(str(e), stacklevel=2)
+            notes.warn(str(e), stacklevel=2)
         for job in (self._writer, self._persister):
             try:
                 job.wait(timeout=120)
             except RuntimeError as e:
-                warnings.warn(str(e), stacklevel=2)
+                notes.warn(str(e), stacklevel=2)
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

@@ -37,6 +37,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from elastrun import log
 from elastrun.config import LaunchConfig
 from elastrun.workers.api import WorkerHandle, WorkerLaunch, WorkerStarter
 from elastrun.workers.prctl import child_subreaper, set_child_subreaper
@@ -280,7 +281,7 @@ class PoolStarter(WorkerStarter):
             return
         self._noticed.add(reason)
         suffix = "; starting workers with exec" if broken else ""
-        print(f"elastrun: warm pool: {reason}{suffix}", file=sys.stderr, flush=True)
+        log.get("pool").warning(f"warm pool: {reason}{suffix}")
 
 
 def _stdin_fd() -> tuple[int, bool]:

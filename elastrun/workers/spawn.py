@@ -16,15 +16,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
+from elastrun.log import CONSOLE_LOCK
 from elastrun.workers.api import ExitStatus, WorkerHandle, WorkerLaunch, WorkerStarter
 from elastrun.workers.logs import StreamPump
-
-#: Serialises console writes of all pumps of this agent.
-CONSOLE_LOCK = threading.Lock()
 
 # Runs under ``python -S``: set the parent-death signal (prctl(PR_SET_PDEATHSIG), spelled out: this
 # bare interpreter cannot import elastrun.workers.prctl), make sure the agent did not die before

@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from elastrun import log
 from elastrun.config import LaunchConfig
 from elastrun.workers.api import WorkerLaunch
 from elastrun.workers.bootstrap import exec_argv
@@ -308,6 +309,7 @@ def test_cuda_driver_loaded_in_the_template_means_exec(probe, tmp_path, capfd, m
                                if Path(p).exists())).read_bytes())
     (tmp_path / "loads_driver.py").write_text(f"import ctypes\nctypes.CDLL({str(fake)!r})\n")
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{ROOT}")
+    log.configure()  # the default console level (an earlier launch() in this process may have set -q)
     starter = PoolStarter(LaunchConfig(entrypoint="probe.py", preload=["loads_driver"]))
     starter.prepare()
     try:

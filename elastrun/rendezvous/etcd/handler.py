@@ -36,12 +36,11 @@ import dataclasses
 import json
 import os
 import socket
-import sys
-import threading
 import time
 import uuid
 from typing import Any
 
+from elastrun import log
 from elastrun.rendezvous.api import (
     FailureRecord,
     JobFailedError,
@@ -132,20 +131,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._worker_store = None
         self._warned_wait = False
         self._closed = False
-        self._warn_lock = threading.Lock()
         self._token = JobToken(load_token(conf["token_file"], self._warn), self.run_id)
         self._auth: JobAuth | NoAuth = NoAuth(self.run_id)
         self._probe()
 
     # ------------------------------------------------------------------ plumbing
     def _warn(self, message: str) -> None:
-        node = self._node.node_id if self._node else f"{socket.gethostname()}-{os.getpid()}"
-        with self._warn_lock:
-            try:
-                sys.stderr.write(f"elastrun[{node}] {time.strftime('%H:%M:%S')} warning: {message}\n")
-                sys.stderr.flush()
-            except (OSError, ValueError):
-                pass
+        log.get("rendezvous").warning(message)
 
     def _probe(self) -> None:
         """Reach etcd once at start so that wrong credentials or certificates fail at once.
