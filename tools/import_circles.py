@@ -1,0 +1,110 @@
+"""Import circles in the elastrun package: ``python tools/import_circles.py [PACKAGE_DIR]``.
+
+Reads every module's imports (module level and inside functions; ``if TYPE_CHECKING`` blocks are
+left out) and prints the circles among modules, and the function-level imports that close one
+(an import moved into a function only to hide a circle).  Exit status 1 when there is either.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+
+def module_names(root: Path) -> dict[str, Path]:
+    out = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> dict[str, bool]:
+    """Package modules that ``name`` imports -> whether only inside functions."""
+    edges: dict[str, bool] = {}
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            nested = in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)
+            targets: list[str] = []
+            if isinstance(child, ast.Import):
+                targets = [alias.name for alias in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    base = ".".join(package[: len(package) - child.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in child.names]
+            for target in targets:
+                while target and target not in known:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges[target] = edges.get(target, True) and nested
+            visit(child, nested)
+
+    visit(ast.parse(path.read_text()), False)
+    return edges
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    root = Path(argv[0] if argv else Path(__file__).resolve().parents[1] / "elastrun")
+    known = module_names(root)
+    edges = {name: imports(name, path, known) for name, path in known.items()}
+    found = circles({name: set(targets) for name, targets in edges.items()})
+    top = {name: {t for t, late in targets.items() if not late} for name, targets in edges.items()}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            node = todo.pop()
+            if node == goal:
+                return True
+            if node not in seen:
+                seen.add(node)
+                todo.extend(top.get(node, ()))
+        return False
+
+    hiding = sorted((name, t) for name, targets in edges.items() for t, late in targets.items()
+                    if late and reaches(t, name))  # fmt: skip
+    print(f"circles: {found or 'none'}")
+    print(f"function-level imports that close a circle: {hiding or 'none'}")
+    return 1 if found or hiding else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
