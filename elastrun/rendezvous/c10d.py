@@ -63,6 +63,9 @@ _FOLLOWER_POLL = 1.0
 _SLOT_WAIT = 5.0
 #: How long members wait for group rank 0 to publish the workers' store before giving up on it.
 _STORE_WAIT = 15.0
+#: What :meth:`StoreRendezvousHandler._peek` compares with: no value the protocol writes equals it.
+_ABSENT = "\x00elastrun:absent\x00"
+_ABSENT_BYTES = _ABSENT.encode()
 #: Longest single connection attempt to the job's store.  With thousands of agents connecting at
 #: once some are accepted only after TCP's SYN retries (1, 3, 7, 15 s): a shorter attempt would
 #: give up on a connection about to succeed and start over at the back of the queue.
@@ -309,12 +312,20 @@ class StoreRendezvousHandler(RendezvousHandler):
         """Write ``value`` under ``key``, sealed with the job token when there is one."""
         (store or self._store).set(key, self._auth.seal(key, value))
 
+    def _peek(self, key: str, store=None) -> bytes | None:
+        """The raw value under ``key``, or None when it is absent: one store operation, never blocks.
+
+        ``compare_set`` with a sentinel that no value equals answers the current value, or the
+        sentinel itself when the key is absent, and writes nothing (``get`` would block on an
+        absent key, and ``check`` + ``get`` costs two round trips).
+        """
+        raw = (store or self._store).compare_set(key, _ABSENT, _ABSENT)
+        return None if raw == _ABSENT_BYTES else raw
+
     def _read(self, key: str, store=None) -> str | None:
         """The authentic value under ``key``, or None when it is absent or not authentic (reported once)."""
-        store = store or self._store
-        if not store.check([key]):
-            return None
-        return self._auth.open(key, store.get(key))
+        raw = self._peek(key, store)
+        return None if raw is None else self._auth.open(key, raw)
 
     def _claim(self, key: str, value: str, store=None) -> tuple[bool, str | None]:
         """``compare_set`` ``key`` from absent to ``value``: (whether this call won, the authentic value now)."""
@@ -328,17 +339,13 @@ class StoreRendezvousHandler(RendezvousHandler):
 
     def _lines(self, key: str, store=None) -> list[str]:
         """The authentic lines of the list under ``key`` (empty when absent)."""
-        store = store or self._store
-        if not store.check([key]):
-            return []
-        return self._auth.open_lines(key, store.get(key))
+        raw = self._peek(key, store)
+        return [] if raw is None else self._auth.open_lines(key, raw)
 
     def _wait(self, key: str, timeout: float) -> bool:
-        """Block until ``key`` exists or ``timeout`` passes."""
-        if self._exists(key):
-            return True
+        """Block until ``key`` exists or ``timeout`` passes (one store operation)."""
         if timeout <= 0:
-            return False
+            return self._exists(key)
         try:
             self._store.wait([key], datetime.timedelta(seconds=timeout))
             return True
@@ -815,9 +822,10 @@ class _Slots:
             unread = []
         for idx in unread:
             key = handler._r(round_, "node", idx)
-            if handler._exists(key):
-                raw = handler._read(key)
-                self._infos[idx] = NodeInfo.from_json(raw) if raw is not None else None
+            raw = handler._peek(key)
+            if raw is not None:
+                value = handler._auth.open(key, raw)
+                self._infos[idx] = NodeInfo.from_json(value) if value is not None else None
             elif wait and now - self._empty_since.setdefault(idx, now) < _SLOT_WAIT:
                 pending = True
             elif wait:
