@@ -210,6 +210,7 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
         t.join()
     print(json.dumps({"ready": len(handlers), "errors": errors[:3]}), flush=True)
     sys.stdin.readline()  # "go"
+    store_cpu_go = _store_thread_cpu()
     light.beater.start()
     ends: dict[int, float] = {}
     results: dict[int, object] = {}
@@ -227,6 +228,7 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
         t.start()
     for t in threads:
         t.join(ROUND_TIMEOUT)
+    store_cpu_round = _store_thread_cpu() - store_cpu_go
     full = [i for i in ends if i % full_every == 0]
     ranks = sorted(r.group_rank for r in results.values())
     agree = all(results[i].group_world_size == nodes and results[i].world_size == nodes for i in results)
@@ -236,7 +238,8 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
         closed_at = json.loads(raw)["closed_at"] if raw else None
     print(json.dumps({"end": max(ends.values()) if ends else None, "joined": len(ends), "errors": errors[:3],
                       "full": len(full), "full_end": max((ends[i] for i in full), default=None),
-                      "closed_at": closed_at, "ranks": ranks, "agree": agree}), flush=True)
+                      "closed_at": closed_at, "ranks": ranks, "agree": agree,
+                      "store_cpu_s": round(store_cpu_round, 3)}), flush=True)
     sys.stdin.readline()  # "beat": every process's nodes are heartbeating now
 
     def beats() -> int:
@@ -342,6 +345,7 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
     return {"nodes": nodes, "procs": procs, "token": token, "round_s": round(seconds, 3),
             "closed_after_s": round(closed_at - go, 3), "full_nodes": sum(d["full"] for d in done),
             "full_nodes_done_s": round(full_end - go, 3), "parse_ms": round(parse_ms(nodes, token), 1),
+            "store_cpu_in_round_s": done[0].get("store_cpu_s"),
             "setup_s": round(setup, 1), "store_connections": connections,
             "beats_per_s": round(beats / beat_seconds, 1), "beats_per_s_configured": nodes / 0.5,
             "store_thread_busy": round(store_cpu / beat_seconds, 3)}

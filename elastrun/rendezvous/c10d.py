@@ -59,6 +59,10 @@ IGNORED_TORCHRUN_KEYS = {"close_timeout", "keep_alive_max_attempt", "use_libuv"}
 
 _CLOSER_POLL = 0.02
 _FOLLOWER_POLL = 1.0
+#: How long a round stays ready to close before a joiner other than the first closes it (the first
+#: joiner may have died).  Without it every joiner would re-check the whole round each second while
+#: the first one closes it: with a token that is n reads and HMACs per joiner, O(n²) per round.
+_FALLBACK_GRACE = 2.0
 #: How long a closer waits for a joiner's info after the round closed before leaving it out.
 _SLOT_WAIT = 5.0
 #: How long members wait for group rank 0 to publish the workers' store before giving up on it.
@@ -489,6 +493,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         prev = self._prev_members(round_)
         slots = _Slots()
         min_reached: float | None = None
+        closable_since: float | None = None
         poll = _CLOSER_POLL if idx == 1 else _FOLLOWER_POLL
         next_check = time.monotonic() if idx == 1 else time.monotonic() + poll
         while True:
@@ -522,6 +527,11 @@ class StoreRendezvousHandler(RendezvousHandler):
                     last_call=float(self.conf["last_call_timeout"]),
                 )
                 size = close_size(inputs)
+                if idx != 1 and size is not None:
+                    # A fallback: leave the close to the first joiner unless it has not done it in time.
+                    closable_since = now if closable_since is None else closable_since
+                    if now - closable_since < _FALLBACK_GRACE:
+                        size = None
                 admitted = None
                 if size is not None and self._auth.enabled:
                     # The counters are hints anyone can bump: decide on authentic values only.
