@@ -529,8 +529,9 @@ class StoreRendezvousHandler(RendezvousHandler):
                 size = close_size(inputs)
                 if idx != 1 and size is not None:
                     # A fallback: leave the close to the first joiner unless it has not done it in time.
+                    # Later joiners wait longer, so that a slow first joiner is not joined by all at once.
                     closable_since = now if closable_since is None else closable_since
-                    if now - closable_since < _FALLBACK_GRACE:
+                    if now - closable_since < _FALLBACK_GRACE * min(idx - 1, 8):
                         size = None
                 admitted = None
                 if size is not None and self._auth.enabled:
@@ -825,7 +826,7 @@ class _Slots:
         pending = False
         unread = [idx for idx in range(1, joined + 1) if idx not in self._infos]
         keys = [handler._r(round_, "node", idx) for idx in unread]
-        if keys and handler._store.check(keys):  # every slot filled: one read for all of them
+        if keys and _all_present(handler._store, keys, wait):  # every slot filled: one read for all of them
             for idx, key, raw in zip(unread, keys, handler._store.multi_get(keys), strict=True):
                 value = handler._auth.open(key, raw)
                 self._infos[idx] = NodeInfo.from_json(value) if value is not None else None
@@ -843,6 +844,20 @@ class _Slots:
         if pending:
             return None
         return [(idx, info) for idx, info in sorted(self._infos.items()) if info is not None and idx <= joined]
+
+
+def _all_present(store, keys: list[str], wait: bool) -> bool:
+    """Whether every key exists; with ``wait``, after waiting up to 0.5 s for the last ones (one
+    operation, where checking slot by slot would be one per key)."""
+    if store.check(keys):
+        return True
+    if not wait:
+        return False
+    try:
+        store.wait(keys, datetime.timedelta(seconds=0.5))
+        return True
+    except Exception:
+        return False
 
 
 def validate_params(params: RendezvousParameters) -> None:
