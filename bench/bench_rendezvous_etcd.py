@@ -6,13 +6,18 @@
   survivor's ``poll()`` is watched until it reports the loss;
 - keys left in etcd after every agent closed.
 
-Run: ``.venv/bin/python bench/bench_rendezvous_etcd.py [N ...]`` (default 2 8 32).
+With each round its watch events are counted: the events all agents' watches delivered, from the
+start of the round to the last ``next_round`` returning (each agent watches only what it acts on,
+so this grows with N, not N²).  ``--token`` gives every agent a job token.
+
+Run: ``.venv/bin/python bench/bench_rendezvous_etcd.py [--token] [--repeat 3] [N ...]`` (default 2 8 32).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -37,7 +42,7 @@ time.sleep(600)
 """
 
 
-def one_round(endpoints: str, n: int) -> float:
+def one_round(endpoints: str, n: int) -> tuple[float, int]:
     handlers = [create_handler(RendezvousParameters("etcd", endpoints, f"bench{n}", n, n)) for _ in range(n)]
     errors: list[BaseException] = []
 
@@ -54,11 +59,12 @@ def one_round(endpoints: str, n: int) -> float:
     for t in threads:
         t.join(120)
     took = time.perf_counter() - started
+    events = sum(h._watch.seq for h in handlers if h._watch is not None)
     for h in handlers:
         h.close()
     if errors:
         raise errors[0]
-    return took
+    return took, events
 
 
 def kill_detection(endpoints: str) -> float:
@@ -86,11 +92,22 @@ def kill_detection(endpoints: str) -> float:
 def main() -> None:
     import torch.distributed  # noqa: F401 - group rank 0 hosts a TCPStore; keep the import out of the timing
 
-    sizes = [int(a) for a in sys.argv[1:]] or [2, 8, 32]
+    args = sys.argv[1:]
+    if "--token" in args:
+        args.remove("--token")
+        os.environ["ELASTRUN_JOB_TOKEN"] = "bench-token-0123456789abcdef0123456789abcdef"
+    repeat = 3
+    if "--repeat" in args:
+        at = args.index("--repeat")
+        repeat = int(args[at + 1])
+        del args[at:at + 2]
+    sizes = [int(a) for a in args] or [2, 8, 32]
     with EtcdCluster(1) as cluster:
         for n in sizes:
-            times = sorted(one_round(cluster.endpoints, n) for _ in range(3))
-            print(f"round with {n:3d} agents: median {times[1]:.3f} s (min {times[0]:.3f}, max {times[2]:.3f})")
+            rows = sorted(one_round(cluster.endpoints, n) for _ in range(repeat))
+            times = [t for t, _ in rows]
+            print(f"round with {n:3d} agents: median {statistics.median(times):.3f} s (min {times[0]:.3f}, "
+                  f"max {times[-1]:.3f}); watch events delivered per round: {rows[len(rows) // 2][1]}", flush=True)
         detections = sorted(kill_detection(cluster.endpoints) for _ in range(3))
         print(f"SIGKILLed agent detected after: {', '.join(f'{d:.2f}' for d in detections)} s")
         print(f"keys left under /elastrun/ after all agents closed: {len(cluster.list_keys())}")

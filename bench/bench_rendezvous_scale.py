@@ -1,15 +1,37 @@
 """One c10d rendezvous round with thousands of simulated nodes, spread over a few processes.
 
-``bench_rendezvous.py`` runs every simulated node as a thread of one process, which stops scaling
-past a few hundred nodes (one interpreter, one GIL, thousands of sockets).  Here ``--procs``
-processes each hold ``nodes / procs`` handlers (threads, no workers); process 0's first handler
-hosts the job's ``TCPStore``.  Every process connects its handlers, reports ready, and on one
-"go" from the parent all of them join round 0 at once; the figure is from "go" to the last
-node's result (wall clock of one machine).  Then the heartbeats of every node run for
-``--beat-seconds``: the achieved heartbeat rate is measured against the configured one (each
-beat is one write and three reads on the store).  ``--token`` runs the same with a job token.
+``bench_rendezvous.py`` runs every simulated node as a full handler in one process, which stops
+scaling past a few hundred nodes.  Here ``--procs`` processes each hold ``nodes / procs`` nodes
+(threads, no workers); process 0's node 0 hosts the job's ``TCPStore``.  Every process connects
+its nodes, reports ready, and on one "go" from the parent all of them join round 0 at once; the
+figure is from "go" to the last node's result (wall clock of one machine).  Then every node's
+heartbeats run for ``--beat-seconds``: the achieved rate is measured against the configured one,
+and the CPU time the store's own thread used in that window (its load).  ``--token`` runs the
+same with a job token.
 
-    python -m bench.bench_rendezvous_scale --nodes 1024 --procs 4 [--token] [--repeat 3]
+**Full and light nodes.**  On a real cluster each node runs on its own machine; here they share
+two cores, so work that a cluster does n times in parallel is paid n times in series.  Every
+``--full-every``-th node (node 0, the store host and usually the closer, included) runs the real
+handler end to end.  The others are *light*: the real handler class with two steps replaced —
+
+- after fetching the round's result document from the store (the bytes are read, so the store
+  serves them as it would), a light node does not parse and check it itself: the first light
+  node of a process parses it and the others of that process share that parse.  The parse is
+  O(n) per node and runs on every machine at once on a cluster, so it adds its own duration (the
+  ``parse_ms`` figure, timed alone) to a real round, not n times that;
+- the heartbeats of a process's light nodes are sent by one thread, in turn, each over the node's
+  own connection with the real ``_beat`` (same store operations: one write, two reads), and a
+  light node's ring is its own window of the real ring (itself and its next two members) so the
+  ring walk does not scan 4,096 ids per beat on the bench's two cores.
+
+Everything else — connections (two per node), the join writes, the waits, the closer's work, the
+store address — is the real code.  Full nodes check that their result agrees with the light ones'.
+
+torch's ``TCPStore`` looks up the peer's name for every connection (``getnameinfo``); where the
+DNS server drops queries (this sandbox) a connection stalls 5 s.  When run as root the bench
+re-runs itself in a fresh network namespace (loopback only), where that lookup fails at once.
+
+    python -m bench.bench_rendezvous_scale --nodes 256 1024 4096 --procs 4 [--token] [--repeat 3]
     python -m bench.bench_rendezvous_scale --auth-cost --nodes 256 1024 4096
     python -m bench.bench_rendezvous_scale --store-capacity
 """
@@ -20,6 +42,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,12 +58,124 @@ CONNECTING = 8
 TOKEN = "bench-token-0123456789abcdef0123456789abcdef"
 
 
-def child(port: int, first: int, count: int, nodes: int, beat_seconds: float) -> None:
+class _SharedParse:
+    """One parse of a round's result per process, shared by its light nodes."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.rounds: dict[int, tuple] = {}
+
+    def get(self, handler, round_: int, key: str, raw: bytes) -> tuple:
+        from elastrun.rendezvous.api import Member
+
+        with self.lock:
+            if round_ not in self.rounds:
+                doc = json.loads(handler._auth.open(key, raw))
+                members = [Member(**m) for m in doc["members"]]
+                ring = [m.node_id for m in sorted(members, key=lambda m: m.group_rank)]
+                self.rounds[round_] = (doc, members, ring, {m.node_id: m for m in members},
+                                       {n: i for i, n in enumerate(ring)}, sum(m.nproc for m in members))
+            return self.rounds[round_]
+
+
+class _Beater(threading.Thread):
+    """Sends the heartbeats of a process's light nodes, in turn, with each node's real ``_beat``."""
+
+    def __init__(self, interval: float) -> None:
+        super().__init__(daemon=True)
+        self.interval = interval
+        self.handlers: list = []
+        self.lock = threading.Lock()
+
+    def run(self) -> None:
+        while True:
+            started = time.monotonic()
+            with self.lock:
+                handlers = list(self.handlers)
+            for h in handlers:
+                if h._closed:
+                    continue
+                try:
+                    h._beat()
+                except Exception as exc:
+                    h._on_heartbeat_error(exc)
+            time.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+
+def light_handler_class():
+    """The real c10d handler with the two per-node steps a light node shares (see the module docstring)."""
+    from elastrun.rendezvous.api import RoundResult
+    from elastrun.rendezvous.c10d import StoreRendezvousHandler
+
+    class LightHandler(StoreRendezvousHandler):
+        shared = _SharedParse()
+        beater: _Beater | None = None
+
+        def _start_heartbeat(self) -> None:
+            if self._heartbeat is None:
+                self._beat()
+                self._heartbeat = True
+                with self.beater.lock:
+                    self.beater.handlers.append(self)
+
+        def _await_result(self, round_, node, deadline):
+            key = self._r(round_, "result")
+            while not self._wait(key, 1.0):
+                if time.monotonic() >= deadline:
+                    raise self._timeout_error(round_)
+            raw = self._peek(key)  # the whole document comes over the wire, as for a full node
+            doc, members, ring, by_id, index, world = self.shared.get(self, round_, key, raw)
+            me = by_id.get(node.node_id)
+            if me is None or me.group_rank == 0:
+                return super()._await_result(round_, node, deadline)
+            address = self._await_value(self._r(round_, "store"), deadline)
+            store_addr, _, store_port = address.rpartition(":")
+            result = RoundResult(round=round_, generation=doc["generation"], group_rank=me.group_rank,
+                                 group_world_size=len(members), rank_offset=me.rank_offset, world_size=world,
+                                 role_rank_offset=me.role_rank_offset, role_world_size=world,
+                                 store_addr=store_addr, store_port=int(store_port), members=members)
+            i = index[node.node_id]
+            with self._lock:
+                self._round, self._result = round_, result
+                self._ring = [ring[(i + k) % len(ring)] for k in range(min(3, len(ring)))]
+                self._seen_signal = self._count(self._r(round_, "signal"))
+            return result
+
+        def close(self) -> None:
+            self._heartbeat = None
+            super().close()
+
+    return LightHandler
+
+
+def _store_thread_cpu() -> float:
+    """CPU seconds of this process's threads that are not Python threads (the TCPStore server's)."""
+    python_ids = {t.native_id for t in threading.enumerate()}
+    total = 0.0
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) in python_ids:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            pass
+    return total
+
+
+def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, full_every: int) -> None:
     """One process of simulated nodes: connect, say ready, join on "go", report, heartbeat, close."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    # Hundreds of threads that each wait on a socket and then want the GIL: with the default 5 ms
+    # switch interval a thread whose answer came back can wait behind many others (a convoy).
+    sys.setswitchinterval(0.0005)
     from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
-    from elastrun.rendezvous.registry import create_handler
+    from elastrun.rendezvous.c10d import StoreRendezvousHandler, split_endpoint
+
+    light = light_handler_class()
+    light.beater = _Beater(0.5)
 
     def params(i: int) -> RendezvousParameters:
         return RendezvousParameters(
@@ -49,16 +184,22 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float) ->
                     "join_timeout": str(SETUP_TIMEOUT), "read_timeout": str(ROUND_TIMEOUT)},
         )
 
+    def make(i: int):
+        p = params(i)
+        host, port_ = split_endpoint(p.endpoint, 29400)
+        cls = StoreRendezvousHandler if i % full_every == 0 else light
+        return cls(p, host, port_, i == 0)
+
     handlers: dict[int, object] = {}
     errors: list[str] = []
     if first == 0:
-        handlers[0] = create_handler(params(0))
+        handlers[0] = make(0)
     gate = threading.Semaphore(CONNECTING)
 
     def connect(i: int) -> None:
         try:
             with gate:
-                handlers[i] = create_handler(params(i))
+                handlers[i] = make(i)
         except Exception as exc:
             errors.append(f"node {i}: {exc}")
 
@@ -69,13 +210,16 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float) ->
         t.join()
     print(json.dumps({"ready": len(handlers), "errors": errors[:3]}), flush=True)
     sys.stdin.readline()  # "go"
-    ends: list[float] = []
+    store_cpu_go = _store_thread_cpu()
+    light.beater.start()
+    ends: dict[int, float] = {}
+    results: dict[int, object] = {}
 
     def join(i: int) -> None:
         try:
-            handlers[i].next_round(NodeInfo(node_id=f"node{i:05d}", addr="127.0.0.1", nproc=1, hostname=f"h{i}",
-                                            pid=i))
-            ends.append(time.time())
+            results[i] = handlers[i].next_round(NodeInfo(node_id=f"node{i:05d}", addr="127.0.0.1", nproc=1,
+                                                         hostname=f"h{i}", pid=i))
+            ends[i] = time.time()
         except Exception as exc:
             errors.append(f"node {i}: {exc}")
 
@@ -84,12 +228,27 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float) ->
         t.start()
     for t in threads:
         t.join(ROUND_TIMEOUT)
-    print(json.dumps({"end": max(ends) if ends else None, "joined": len(ends), "errors": errors[:3]}), flush=True)
+    store_cpu_round = _store_thread_cpu() - store_cpu_go
+    full = [i for i in ends if i % full_every == 0]
+    ranks = sorted(r.group_rank for r in results.values())
+    agree = all(results[i].group_world_size == nodes and results[i].world_size == nodes for i in results)
+    closed_at = None
+    if full:
+        raw = handlers[full[0]]._read(handlers[full[0]]._r(0, "result"))
+        closed_at = json.loads(raw)["closed_at"] if raw else None
+    print(json.dumps({"end": max(ends.values()) if ends else None, "joined": len(ends), "errors": errors[:3],
+                      "full": len(full), "full_end": max((ends[i] for i in full), default=None),
+                      "closed_at": closed_at, "ranks": ranks, "agree": agree,
+                      "store_cpu_s": round(store_cpu_round, 3)}), flush=True)
     sys.stdin.readline()  # "beat": every process's nodes are heartbeating now
-    before = sum(h._hb_counter for h in handlers.values())
+
+    def beats() -> int:
+        return sum(h._hb_counter for h in handlers.values())
+
+    before, cpu_before = beats(), _store_thread_cpu()
     time.sleep(beat_seconds)
-    after = sum(h._hb_counter for h in handlers.values())
-    print(json.dumps({"beats": after - before}), flush=True)
+    after, cpu_after = beats(), _store_thread_cpu()
+    print(json.dumps({"beats": after - before, "store_cpu_s": round(cpu_after - cpu_before, 3)}), flush=True)
     sys.stdin.readline()  # "close"
     for handler in handlers.values():
         try:
@@ -99,7 +258,32 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float) ->
     os._exit(0)
 
 
-def one_round(nodes: int, procs: int, token: bool, beat_seconds: float) -> dict:
+def parse_ms(nodes: int, token: bool) -> float:
+    """What a light node skips, timed alone: open (with a token) and parse an n-member result, build its view."""
+    from elastrun.rendezvous.api import Member, NodeInfo
+    from elastrun.rendezvous.auth import JobToken, NoAuth
+    from elastrun.rendezvous.rounds import assign_ranks, member_view
+
+    members = assign_ranks([NodeInfo(f"node{i:05d}", "10.0.0.1", 8, hostname=f"h{i}", pid=i) for i in range(nodes)])
+    doc = {"members": [m.__dict__ for m in members], "generation": 0, "restarts_used": 0, "max_restarts": 0,
+           "abort": None, "lost": [], "closed_at": time.time(), "abort_code": 1}
+    auth = JobToken(TOKEN.encode(), "bench") if token else None
+    auth = auth.accept(auth.new_marker(), "bench") if auth else NoAuth("bench")
+    key = auth.prefix + "r0/result"
+    raw = auth.seal(key, json.dumps(doc))
+    raw = raw.encode() if isinstance(raw, str) else raw
+    started = time.perf_counter()
+    repeat = 5
+    for _ in range(repeat):
+        d = json.loads(auth.open(key, raw))
+        ms = [Member(**m) for m in d["members"]]
+        me = next(m for m in ms if m.node_id == "node00007")
+        member_view(0, d, ms, me, "10.0.0.1", 1234)
+        sorted(ms, key=lambda m: m.group_rank)
+    return (time.perf_counter() - started) / repeat * 1e3
+
+
+def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_every: int) -> dict:
     """Run one measured round (and heartbeat window); returns its figures."""
     import psutil
 
@@ -113,7 +297,7 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float) -> dict:
     children = []
     for p in range(procs):
         argv = [PYTHON, "-m", "bench.bench_rendezvous_scale", "--child", str(port), str(starts[p]), str(share[p]),
-                str(nodes), str(beat_seconds)]
+                str(nodes), str(beat_seconds), str(full_every)]
         children.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=subprocess.DEVNULL, text=True))
         if p == 0:
@@ -139,10 +323,17 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float) -> dict:
         tell("go")
         done = read_all()
         if sum(d.get("joined", 0) for d in done) != nodes:
-            raise RuntimeError(f"round incomplete: {done}")
+            raise RuntimeError(f"round incomplete: {[{k: d.get(k) for k in ('joined', 'errors')} for d in done]}")
+        ranks = sorted(r for d in done for r in d["ranks"])
+        if ranks != list(range(nodes)) or not all(d["agree"] for d in done):
+            raise RuntimeError("the nodes' results disagree")
         seconds = max(d["end"] for d in done) - go
+        closed_at = next(d["closed_at"] for d in done if d.get("closed_at"))
+        full_end = max(d["full_end"] for d in done if d.get("full_end"))
         tell("beat")
-        beats = sum(b.get("beats", 0) for b in read_all())
+        beat_rows = read_all()
+        beats = sum(b.get("beats", 0) for b in beat_rows)
+        store_cpu = beat_rows[0].get("store_cpu_s", 0.0)
         tell("close")
     finally:
         for c in children:
@@ -152,8 +343,12 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float) -> dict:
                 c.kill()
                 c.wait()
     return {"nodes": nodes, "procs": procs, "token": token, "round_s": round(seconds, 3),
+            "closed_after_s": round(closed_at - go, 3), "full_nodes": sum(d["full"] for d in done),
+            "full_nodes_done_s": round(full_end - go, 3), "parse_ms": round(parse_ms(nodes, token), 1),
+            "store_cpu_in_round_s": done[0].get("store_cpu_s"),
             "setup_s": round(setup, 1), "store_connections": connections,
-            "beats_per_s": round(beats / beat_seconds, 1), "beats_per_s_configured": nodes / 0.5}
+            "beats_per_s": round(beats / beat_seconds, 1), "beats_per_s_configured": nodes / 0.5,
+            "store_thread_busy": round(store_cpu / beat_seconds, 3)}
 
 
 def auth_cost(nodes: int, repeat: int = 2000) -> dict:
@@ -250,8 +445,8 @@ def main() -> None:
         store_ops(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        port, first, count, nodes, beat_seconds = sys.argv[2:7]
-        child(int(port), int(first), int(count), int(nodes), float(beat_seconds))
+        port, first, count, nodes, beat_seconds, full_every = sys.argv[2:8]
+        child(int(port), int(first), int(count), int(nodes), float(beat_seconds), int(full_every))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[1024])
@@ -259,10 +454,19 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--token", action="store_true")
     parser.add_argument("--beat-seconds", type=float, default=5.0)
+    parser.add_argument("--full-every", type=int, default=64,
+                        help="every Nth node runs the real handler end to end; the others are light (docstring)")
+    parser.add_argument("--no-netns", action="store_true", help="stay in this network namespace (see docstring)")
     parser.add_argument("--auth-cost", action="store_true", help="only the CPU cost of the token, per size")
     parser.add_argument("--store-capacity", action="store_true",
                         help="only the operations per second one TCPStore serves (4 processes x 8 clients)")
     args = parser.parse_args()
+    if not args.no_netns and os.geteuid() == 0 and shutil.which("unshare") and shutil.which("ip") \
+            and not os.environ.get("ELASTRUN_BENCH_NETNS"):
+        os.environ["ELASTRUN_BENCH_NETNS"] = "1"
+        command = "ip link set lo up && exec " + " ".join([PYTHON, "-m", "bench.bench_rendezvous_scale",
+                                                           *sys.argv[1:]])
+        os.execvp("unshare", ["unshare", "--net", "sh", "-c", command])
     if args.store_capacity:
         print(json.dumps(store_capacity(4, 8)), flush=True)
         return
@@ -271,7 +475,8 @@ def main() -> None:
             print(json.dumps(auth_cost(nodes)), flush=True)
         return
     for nodes in args.nodes:
-        rows = [one_round(nodes, args.procs, args.token, args.beat_seconds) for _ in range(args.repeat)]
+        rows = [one_round(nodes, args.procs, args.token, args.beat_seconds, args.full_every)
+                for _ in range(args.repeat)]
         for row in rows:
             print(json.dumps(row), flush=True)
         if len(rows) > 1:

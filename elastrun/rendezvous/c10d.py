@@ -69,10 +69,17 @@ CONFIG_ALIASES = {"keep_alive_interval": "heartbeat_interval", "timeout": "join_
 
 _CLOSER_POLL = 0.02
 _FOLLOWER_POLL = 1.0
+#: How long a round stays ready to close before a joiner other than the first closes it (the first
+#: joiner may have died).  Without it every joiner would re-check the whole round each second while
+#: the first one closes it: with a token that is n reads and HMACs per joiner, O(n²) per round.
+_FALLBACK_GRACE = 2.0
 #: How long a closer waits for a joiner's info after the round closed before leaving it out.
 _SLOT_WAIT = 5.0
 #: How long members wait for group rank 0 to publish the workers' store before giving up on it.
 _STORE_WAIT = 15.0
+#: What :meth:`StoreRendezvousHandler._peek` compares with: no value the protocol writes equals it.
+_ABSENT = "\x00elastrun:absent\x00"
+_ABSENT_BYTES = _ABSENT.encode()
 #: Longest single connection attempt to the job's store.  With thousands of agents connecting at
 #: once some are accepted only after TCP's SYN retries (1, 3, 7, 15 s): a shorter attempt would
 #: give up on a connection about to succeed and start over at the back of the queue.
@@ -228,12 +235,20 @@ class StoreRendezvousHandler(RendezvousHandler):
         """Write ``value`` under ``key``, sealed with the job token when there is one."""
         (store or self._store).set(key, self._auth.seal(key, value))
 
+    def _peek(self, key: str, store=None) -> bytes | None:
+        """The raw value under ``key``, or None when it is absent: one store operation, never blocks.
+
+        ``compare_set`` with a sentinel that no value equals answers the current value, or the
+        sentinel itself when the key is absent, and writes nothing (``get`` would block on an
+        absent key, and ``check`` + ``get`` costs two round trips).
+        """
+        raw = (store or self._store).compare_set(key, _ABSENT, _ABSENT)
+        return None if raw == _ABSENT_BYTES else raw
+
     def _read(self, key: str, store=None) -> str | None:
         """The authentic value under ``key``, or None when it is absent or not authentic (reported once)."""
-        store = store or self._store
-        if not store.check([key]):
-            return None
-        return self._auth.open(key, store.get(key))
+        raw = self._peek(key, store)
+        return None if raw is None else self._auth.open(key, raw)
 
     def _claim(self, key: str, value: str, store=None) -> tuple[bool, str | None]:
         """``compare_set`` ``key`` from absent to ``value``: (whether this call won, the authentic value now)."""
@@ -247,17 +262,13 @@ class StoreRendezvousHandler(RendezvousHandler):
 
     def _lines(self, key: str, store=None) -> list[str]:
         """The authentic lines of the list under ``key`` (empty when absent)."""
-        store = store or self._store
-        if not store.check([key]):
-            return []
-        return self._auth.open_lines(key, store.get(key))
+        raw = self._peek(key, store)
+        return [] if raw is None else self._auth.open_lines(key, raw)
 
     def _wait(self, key: str, timeout: float) -> bool:
-        """Block until ``key`` exists or ``timeout`` passes."""
-        if self._exists(key):
-            return True
+        """Block until ``key`` exists or ``timeout`` passes (one store operation)."""
         if timeout <= 0:
-            return False
+            return self._exists(key)
         try:
             self._store.wait([key], datetime.timedelta(seconds=timeout))
             return True
@@ -397,6 +408,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         prev = self._prev_members(round_)
         slots = _Slots()
         min_reached: float | None = None
+        closable_since: float | None = None
         poll = _CLOSER_POLL if idx == 1 else _FOLLOWER_POLL
         next_check = time.monotonic() if idx == 1 else time.monotonic() + poll
         while True:
@@ -430,6 +442,12 @@ class StoreRendezvousHandler(RendezvousHandler):
                     last_call=float(self.conf["last_call_timeout"]),
                 )
                 size = close_size(inputs)
+                if idx != 1 and size is not None:
+                    # A fallback: leave the close to the first joiner unless it has not done it in time.
+                    # Later joiners wait longer, so that a slow first joiner is not joined by all at once.
+                    closable_since = now if closable_since is None else closable_since
+                    if now - closable_since < _FALLBACK_GRACE * min(idx - 1, 8):
+                        size = None
                 admitted = None
                 if size is not None and self._auth.enabled:
                     # The counters are hints anyone can bump: decide on authentic values only.
@@ -702,16 +720,17 @@ class _Slots:
         pending = False
         unread = [idx for idx in range(1, joined + 1) if idx not in self._infos]
         keys = [handler._r(round_, "node", idx) for idx in unread]
-        if keys and handler._store.check(keys):  # every slot filled: one read for all of them
+        if keys and _all_present(handler._store, keys, wait):  # every slot filled: one read for all of them
             for idx, key, raw in zip(unread, keys, handler._store.multi_get(keys), strict=True):
                 value = handler._auth.open(key, raw)
                 self._infos[idx] = NodeInfo.from_json(value) if value is not None else None
             unread = []
         for idx in unread:
             key = handler._r(round_, "node", idx)
-            if handler._exists(key):
-                raw = handler._read(key)
-                self._infos[idx] = NodeInfo.from_json(raw) if raw is not None else None
+            raw = handler._peek(key)
+            if raw is not None:
+                value = handler._auth.open(key, raw)
+                self._infos[idx] = NodeInfo.from_json(value) if value is not None else None
             elif wait and now - self._empty_since.setdefault(idx, now) < _SLOT_WAIT:
                 pending = True
             elif wait:
@@ -719,6 +738,20 @@ class _Slots:
         if pending:
             return None
         return [(idx, info) for idx, info in sorted(self._infos.items()) if info is not None and idx <= joined]
+
+
+def _all_present(store, keys: list[str], wait: bool) -> bool:
+    """Whether every key exists; with ``wait``, after waiting up to 0.5 s for the last ones (one
+    operation, where checking slot by slot would be one per key)."""
+    if store.check(keys):
+        return True
+    if not wait:
+        return False
+    try:
+        store.wait(keys, datetime.timedelta(seconds=0.5))
+        return True
+    except Exception:
+        return False
 
 
 def validate_params(params: RendezvousParameters) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from elastrun.rendezvous.api import NodeInfo, RendezvousConfigError, RendezvousParameters
@@ -50,3 +53,50 @@ def test_config_errors_name_the_key():
     assert parse_config(_params("h:1", ca_cert=__file__))["protocol"] == "https"
     with pytest.raises(RendezvousConfigError, match="without a scheme"):
         create_handler(_params("http://h:2379"))
+
+
+@needs_etcd
+def test_each_agent_watches_only_what_it_acts_on():
+    """Joins wake only the closer; a loss wakes the lost node's ring predecessor, which tells the rest."""
+    nodes = 4
+    with EtcdCluster(1) as cluster:
+        handlers = [create_handler(RendezvousParameters("etcd", cluster.endpoints, "watch", nodes, nodes))
+                    for _ in range(nodes)]
+        results: dict[int, object] = {}
+        try:
+            threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+                i, handlers[i].next_round(NodeInfo(f"n{i}", "127.0.0.1", 1)))) for i in range(nodes)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert len(results) == nodes
+            q = handlers[0]._q
+            ring = [m.node_id for m in sorted(results[0].members, key=lambda m: m.group_rank)]
+            for i, h in enumerate(handlers):
+                h.poll()  # sets up the ring watch
+                successor = ring[(ring.index(f"n{i}") + 1) % nodes]
+                assert h._watch.ranges() == {
+                    "job": (q + "abort", q + "finished\0"),
+                    "round": (q + "r0/left/", q + "r0/store\0"),
+                    "ring": (q + f"r0/join/{successor}", q + f"r0/join/{successor}\0"),
+                }
+            non_closers = [h for h in handlers if not any("/join/" in e.key for e in h._watch.since(0) or [])]
+            assert len(non_closers) >= nodes - 1, "only the closer may see the joins of a round"
+            # A node dies (its lease is revoked): its predecessor notices, every other member is told.
+            victim = 2
+            handlers[victim]._keeper.stop()
+            handlers[victim]._watch.stop()
+            handlers[victim]._kv.revoke(handlers[victim]._lease)
+            told: set[int] = set()
+            deadline = time.monotonic() + 20
+            while len(told) < nodes - 1 and time.monotonic() < deadline:
+                for i, h in enumerate(handlers):
+                    if i != victim and i not in told and h.poll().lost_nodes == [f"n{victim}"]:
+                        told.add(i)
+                time.sleep(0.05)
+            assert told == set(range(nodes)) - {victim}
+            assert any(k.endswith(f"r0/lost/n{victim}") for k in cluster.list_keys())
+        finally:
+            for h in handlers:
+                h.close()

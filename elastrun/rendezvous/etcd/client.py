@@ -357,30 +357,49 @@ class Event:
     value: bytes
 
 
-class PrefixWatch(threading.Thread):
-    """Streams every change under ``prefix`` into a buffer that waiters read with a cursor.
+class WatchSet:
+    """The events of a few watched key ranges, merged into one buffer that waiters read with a cursor.
 
-    etcd3gw's own ``Watcher`` has no read timeout and its thread ends silently on an error, so a
-    partitioned member would leave it hanging forever; this one reconnects (to the member the
-    other threads use, from the last revision seen, so no event is lost) when its stream breaks,
-    stays idle past ``idle`` seconds, or :meth:`reconnect` is called.
+    Each range is streamed by its own :class:`_RangeStream` (etcd3gw's ``Watcher`` has no read
+    timeout and its thread ends silently on an error, so a partitioned member would leave it
+    hanging forever).  An agent watches only the ranges it must act on (see
+    docs/etcd.md, "What each agent watches"), so the events of a round grow with the number of
+    nodes, not with its square.  Ranges are named; :meth:`watch` replaces a name's range,
+    :meth:`unwatch` drops it.
     """
 
-    def __init__(self, client: EtcdClient, prefix: str, start_revision: int, idle: float = 10.0,
-                 capacity: int = 100_000) -> None:
-        super().__init__(daemon=True, name="elastrun-etcd-watch")
-        self.client = client
-        self.prefix = prefix
-        self.next_revision = start_revision
-        self.idle = idle
+    def __init__(self, client_factory, capacity: int = 100_000) -> None:
+        self._client_factory = client_factory
         self.seq = 0
-        self.connected = False
         self._events: deque[Event] = deque(maxlen=capacity)
         self._cond = threading.Condition()
-        self._stop_event = threading.Event()
-        self._response = None
+        self._streams: dict[str, _RangeStream] = {}
+        self._lock = threading.Lock()
         #: Set when events may have been missed (compaction, buffer overflow): waiters must re-read state.
         self.gap = False
+
+    def watch(self, name: str, key: str, end: str, start_revision: int) -> None:
+        """Watch ``[key, end)`` from ``start_revision`` on, under ``name`` (replacing what it watched)."""
+        with self._lock:
+            old = self._streams.get(name)
+            if old is not None and (old.key, old.end) == (key, end):
+                return
+            stream = _RangeStream(self._client_factory(), key, end, start_revision, self)
+            self._streams[name] = stream
+        if old is not None:
+            old.stop()
+        stream.start()
+
+    def unwatch(self, name: str) -> None:
+        with self._lock:
+            old = self._streams.pop(name, None)
+        if old is not None:
+            old.stop()
+
+    def ranges(self) -> dict[str, tuple[str, str]]:
+        """What is watched now: name -> (key, range end)."""
+        with self._lock:
+            return {name: (s.key, s.end) for name, s in self._streams.items()}
 
     def since(self, seq: int) -> list[Event] | None:
         """Events after cursor ``seq``; None when some were dropped (re-read the state instead)."""
@@ -396,15 +415,57 @@ class PrefixWatch(threading.Thread):
                 self._cond.wait(timeout)
 
     def reconnect(self) -> None:
-        self._close_stream()
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.close_stream()
 
     def stop(self) -> None:
-        self._stop_event.set()
-        self._close_stream()
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.stop()
         with self._cond:
             self._cond.notify_all()
 
-    def _close_stream(self) -> None:
+    def _lost_history(self, revision: int) -> None:
+        with self._cond:
+            self.gap = True
+            self.seq += 1
+            self._cond.notify_all()
+
+    def _add(self, items: list[tuple[str, str, bytes]]) -> None:
+        with self._cond:
+            for kind, key, value in items:
+                self.seq += 1
+                if len(self._events) == self._events.maxlen:
+                    self.gap = True
+                self._events.append(Event(self.seq, kind, key, value))
+            self._cond.notify_all()
+
+
+class _RangeStream(threading.Thread):
+    """One watch stream of a :class:`WatchSet`: reconnects (to the member the other threads use,
+    from the last revision seen, so no event is lost) when it breaks, stays idle past ``idle``
+    seconds, or :meth:`close_stream` is called."""
+
+    def __init__(self, client: EtcdClient, key: str, end: str, start_revision: int, sink: WatchSet,
+                 idle: float = 10.0) -> None:
+        super().__init__(daemon=True, name="elastrun-etcd-watch")
+        self.client = client
+        self.key, self.end = key, end
+        self.next_revision = start_revision
+        self.idle = idle
+        self.connected = False
+        self._sink = sink
+        self._stop_event = threading.Event()
+        self._response = None
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.close_stream()
+
+    def close_stream(self) -> None:
         response = self._response
         if response is None:
             return
@@ -437,7 +498,7 @@ class PrefixWatch(threading.Thread):
 
     def _stream(self, index: int) -> None:
         session = self.client.new_session(index)
-        body = {"create_request": {"key": b64(self.prefix), "range_end": b64(prefix_end(self.prefix)),
+        body = {"create_request": {"key": b64(self.key), "range_end": b64(self.end),
                                    "start_revision": str(self.next_revision)}}
         settings = self.client.settings
         try:
@@ -467,27 +528,20 @@ class PrefixWatch(threading.Thread):
             self.connected = True
         compacted = int(result.get("compact_revision", 0) or 0)
         if compacted:
-            with self._cond:
-                self.gap = True
-                self.seq += 1
-                self.next_revision = compacted
-                self._cond.notify_all()
+            self.next_revision = compacted
+            self._sink._lost_history(compacted)
             raise EtcdUnavailable("watch history was compacted")
         if result.get("canceled"):
             raise EtcdUnavailable("watch canceled by etcd")
         events = result.get("events") or []
-        if not events:
+        if not events or self._stop_event.is_set():
             return
-        with self._cond:
-            for item in events:
-                kv = item.get("kv") or {}
-                self.seq += 1
-                if len(self._events) == self._events.maxlen:
-                    self.gap = True
-                self._events.append(Event(self.seq, item.get("type", "PUT"), unb64(kv.get("key", "")).decode(),
-                                          unb64(kv.get("value", ""))))
-                self.next_revision = max(self.next_revision, int(kv.get("mod_revision", 0)) + 1)
-            self._cond.notify_all()
+        items = []
+        for item in events:
+            kv = item.get("kv") or {}
+            items.append((item.get("type", "PUT"), unb64(kv.get("key", "")).decode(), unb64(kv.get("value", ""))))
+            self.next_revision = max(self.next_revision, int(kv.get("mod_revision", 0)) + 1)
+        self._sink._add(items)
 
 
 # ---------------------------------------------------------------------- lease keep-alive

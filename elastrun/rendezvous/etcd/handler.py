@@ -14,6 +14,8 @@ Keys (``P`` = ``/elastrun/<run_id>/``, ``Q`` = ``P/e/<incarnation>/``)::
     Q/r<R>/fail/<node>      FailureRecord of a node whose workers failed in round R
     Q/r<R>/done/<node>      the node's workers finished (exit barrier)
     Q/r<R>/left/<node>      the node left for good (reason)
+    Q/r<R>/lost/<node>      the node's join key vanished (written by its ring predecessor)
+    Q/r<R>/next/member|new  a member of R (or a newcomer) joined the round after R: wakes R's members
     Q/abort, Q/finished     the job ended
 
 With a job token (docs/rendezvous-protocol.md, "The job token") ``P/epoch`` also holds the job's
@@ -65,8 +67,8 @@ from elastrun.rendezvous.etcd.client import (
     EtcdUnavailable,
     LeaseKeeper,
     LeaseNotFound,
-    PrefixWatch,
     Shared,
+    WatchSet,
     cmp_absent,
     cmp_mod,
     cmp_range_empty,
@@ -87,6 +89,11 @@ from elastrun.rendezvous.rounds import (
 
 #: A waiting node re-reads the state at least this often even without a watch event (safety net).
 _RECHECK = 2.0
+
+
+def _just(key: str) -> str:
+    """The end of a range that holds ``key`` alone."""
+    return key + "\0"
 
 
 class _Reregister(Exception):
@@ -120,14 +127,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._lease = 0
         self._job_lease = 0
         self._keeper: LeaseKeeper | None = None
-        self._watch: PrefixWatch | None = None
+        self._watch: WatchSet | None = None
+        self._ring_target: str | None = None
         self._node: NodeInfo | None = None
         self._round: int | None = None
         self._result: RoundResult | None = None
         self._members: set[str] = set()
         self._poll_seq = 0
-        self._waiting: set[str] = set()
-        self._done: set[str] = set()
+        self._ring: list[str] = []
+        self._ring_pending: str | None = None
+        self._reported: set[str] = set()
         self._worker_store = None
         self._warned_wait = False
         self._closed = False
@@ -277,8 +286,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._epoch, self._job_lease, self._epoch_rev = epoch_id, job_lease, epoch_rev
         self._q = f"{self._p}e/{epoch_id}/"
         if self._watch is None:
-            self._watch = PrefixWatch(EtcdClient(self.settings, self._shared), self._q, self._kv.revision + 1)
-            self._watch.start()
+            self._watch = WatchSet(lambda: EtcdClient(self.settings, self._shared))
+            # The job's own keys: abort, abort_code, current, finished.
+            self._watch.watch("job", self._q + "abort", _just(self._q + "finished"), self._kv.revision + 1)
             assert self._keeper is not None
             self._keeper.on_failover = self._watch.reconnect
 
@@ -314,10 +324,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # Missing or forged: the round after this node's last one (or 0); closed rounds are walked past.
         round_ = int(current) if current else (0 if old_round is None else old_round + 1)
         while True:
+            self._watch_round(round_)
             cursor = self._watch.seq
             join_key = self._r(round_, "join", node.node_id)
             self._retry(lambda k=join_key: self._kv.put(k, self._seal(k, node.to_json()), self._lease),
                         deadline, "join a round")
+            if round_ > 0:
+                # Wake the members of the round before, once per kind of joiner (not once per joiner).
+                kind = "member" if old_round == round_ - 1 and node.node_id in self._members else "new"
+                self._raise_flag(self._r(round_ - 1, "next", kind), deadline)
             doc = self._await_close(round_, cursor, deadline)
             if any(m["node_id"] == node.node_id for m in doc["members"]):
                 result = self._round_result(round_, doc, cursor, deadline)
@@ -332,6 +347,21 @@ class EtcdRendezvousHandler(RendezvousHandler):
             except RendezvousError:
                 pass
         return result
+
+    def _watch_round(self, round_: int) -> None:
+        """Watch what a node of ``round_`` acts on: its close (``result``, ``store``) and the markers
+        that ask its members to act (``left/``, ``lost/``, ``next/``), not the joins themselves."""
+        assert self._watch is not None
+        self._watch.watch("round", self._r(round_, "left/"), _just(self._r(round_, "store")), self._kv.revision + 1)
+
+    def _raise_flag(self, key: str, deadline: float) -> None:
+        """Put ``key`` unless an authentic value is already there (one event for all joiners of a kind)."""
+        value = self._seal(key, "1")
+        if self._retry(lambda: self._kv.txn([cmp_absent(key)], [op_put(key, value, self._job_lease)]), deadline,
+                       "wake the running members"):
+            return
+        if self._auth.enabled and self._open(self._retry(lambda: self._kv.get(key), deadline, "read")) is None:
+            self._retry(lambda: self._kv.put(key, value, self._job_lease), deadline, "wake the running members")
 
     def _check_job_ended(self, deadline: float) -> None:
         abort = self._open(self._retry(lambda: self._kv.get(self._q + "abort"), deadline, "read the job state"))
@@ -370,6 +400,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 next_recheck = now + _RECHECK
                 found = self._open(self._retry(lambda: self._kv.get(result_key), deadline, "read the round"))
                 if found is not None:
+                    self._watch_as_closer(round_, False)
                     doc = json.loads(found)
                     if doc.get("abort"):
                         raise JobFailedError("the job was ended", doc["abort"], int(doc.get("abort_code", 1)))
@@ -379,6 +410,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 if not mine:
                     raise _Reregister()  # our join key vanished (lease expired)
                 closer = bool(first) and first[0].key == join_prefix + me
+                self._watch_as_closer(round_, closer)
                 if closer:
                     if joined >= self.min_nodes and min_reached is None:
                         min_reached = now
@@ -405,6 +437,20 @@ class EtcdRendezvousHandler(RendezvousHandler):
             if closer and min_reached is not None and \
                     time.monotonic() >= min_reached + float(self.conf["last_call_timeout"]):
                 look = True
+
+    def _watch_as_closer(self, round_: int, closer: bool) -> None:
+        """The closer alone watches the round's joins and the previous round's keys (to count who is
+        accounted for); the other joiners re-check every ``_RECHECK`` s in case the closer dies."""
+        assert self._watch is not None
+        if closer:
+            join_prefix = self._r(round_, "join/")
+            self._watch.watch("joins", join_prefix, prefix_end(join_prefix), self._kv.revision + 1)
+            if round_ > 0:
+                prev = self._r(round_ - 1, "")
+                self._watch.watch("prev", prev, prefix_end(prev), self._kv.revision + 1)
+        else:
+            self._watch.unwatch("joins")
+            self._watch.unwatch("prev")
 
     def _first_joiner(self, join_prefix: str, deadline: float) -> tuple[list[KV], int]:
         """The earliest join of a round (as a one-element list) and the number of joins.
@@ -525,8 +571,56 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._round, self._result = round_, result
         self._members = {m.node_id for m in members}
         self._poll_seq = cursor
-        self._waiting, self._done = set(), set()
+        self._ring = [m.node_id for m in sorted(members, key=lambda m: m.group_rank)]
+        self._reported = set()
+        self._ring_pending = self._node.node_id
+        self._ring_target = None
         return result
+
+    # ------------------------------------------------------------------ the ring
+    def _watch_successor(self) -> list[str]:
+        """Watch the join key of the first live member after ``_ring_pending`` in group-rank order.
+
+        Each member watches only its successor, so a death is one event for one agent; that agent
+        writes ``r<R>/lost/<node>``, which every member watches.  Successors found gone on the way
+        are declared too, so two dead neighbours are both found.  Returns the nodes declared.
+        """
+        assert self._watch is not None and self._node is not None and self._round is not None
+        me, order, round_ = self._node.node_id, self._ring, self._round
+        after = self._ring_pending
+        if after is None or len(order) < 2:
+            return []
+        declared: list[str] = []
+        start = order.index(after) if after in order else order.index(me)
+        try:
+            for step in range(1, len(order)):
+                target = order[(start + step) % len(order)]
+                if target == me:
+                    break
+                key = self._r(round_, "join", target)
+                self._watch.watch("ring", key, _just(key), self._kv.revision + 1)
+                if self._kv.range(key, keys_only=True)[0]:
+                    self._ring_target, self._ring_pending = key, None
+                    return declared
+                if self._declare_lost(target):
+                    declared.append(target)
+        except (EtcdUnavailable, LeaseNotFound):
+            return declared  # ``_ring_pending`` stays: the next poll carries on from there
+        self._watch.unwatch("ring")
+        self._ring_target, self._ring_pending = None, None
+        return declared
+
+    def _declare_lost(self, node_id: str) -> bool:
+        """``node_id``'s join key is gone: write ``lost/`` unless it finished or moved to the next round."""
+        assert self._round is not None and self._node is not None
+        round_ = self._round
+        if self._open(self._kv.get(self._r(round_, "done", node_id))) is not None:
+            return False
+        if self._kv.range(self._r(round_ + 1, "join", node_id), keys_only=True)[0]:
+            return False
+        key = self._r(round_, "lost", node_id)
+        self._kv.put(key, self._seal(key, f"dead:{self._node.node_id}"), self._job_lease)
+        return True
 
     # ------------------------------------------------------------------ while running
     def poll(self) -> RoundChange:
@@ -550,34 +644,57 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if events is None:
             return self._resync()
         lost: list[str] = []
-        join_now, join_next = self._r(round_, "join/"), self._r(round_ + 1, "join/")
-        done_prefix = self._r(round_, "done/")
+        if self._ring_pending is not None:
+            lost += self._watch_successor()
+        marks = (self._r(round_, "lost/"), self._r(round_, "left/"))
+        next_member, next_new = self._r(round_, "next", "member"), self._r(round_, "next", "new")
         for ev in events:
             if ev.kind == "PUT" and self._auth.enabled and self._auth.open(ev.key, ev.value) is None:
                 continue  # a forged value: never acted on (reported once)
             if ev.key == self._q + "abort" and ev.kind == "PUT":
                 change.aborted = self._auth.open(ev.key, ev.value)
                 change.abort_exit_code = self._abort_code()
-            elif ev.key.startswith(done_prefix):
-                self._done.add(ev.key[len(done_prefix):])
-            elif ev.key.startswith(join_now) and ev.kind == "DELETE":
-                node = ev.key[len(join_now):]
-                if node == me:
-                    change.new_round_requested = True
-                elif node in self._members and node not in self._done and node not in lost:
-                    lost.append(node)
-            elif ev.key.startswith(join_next):
-                node = ev.key[len(join_next):]
-                if ev.kind == "DELETE":
-                    self._waiting.discard(node)
-                elif node in self._members:
-                    change.new_round_requested = True
-                else:
-                    self._waiting.add(node)
-        change.lost_nodes = lost
-        if self._waiting and self._result.group_world_size < self.max_nodes:
-            change.nodes_waiting = len(self._waiting)
+            elif ev.key == self._ring_target and ev.kind == "DELETE":
+                self._ring_pending = ev.key.rsplit("/", 1)[1]
+                lost += self._watch_successor_after_loss()
+            elif ev.kind == "PUT" and ev.key.startswith(marks):
+                node = ev.key.rsplit("/", 1)[1]
+                if node == me and ev.key.startswith(marks[0]):
+                    change.new_round_requested = True  # our join key vanished: our membership is gone
+                lost.append(node)
+            elif ev.kind == "PUT" and ev.key == next_member:
+                change.new_round_requested = True
+            elif ev.kind == "PUT" and ev.key == next_new:
+                joined = self._next_joins()
+                change.new_round_requested |= bool(joined & self._members)
+                waiting = joined - self._members
+                if waiting and self._result.group_world_size < self.max_nodes:
+                    change.nodes_waiting = len(waiting)
+        change.lost_nodes = [n for n in dict.fromkeys(lost) if n in self._members and n != me
+                             and n not in self._reported]
+        self._reported.update(change.lost_nodes)
         return change
+
+    def _watch_successor_after_loss(self) -> list[str]:
+        """The watched successor's join key was deleted: declare it (unless it finished or moved on)
+        and watch the next one."""
+        lost_node = self._ring_pending
+        assert lost_node is not None
+        try:
+            declared = [lost_node] if self._declare_lost(lost_node) else []
+        except (EtcdUnavailable, LeaseNotFound):
+            declared = [lost_node]  # the others learn it from the lease expiry in their own resync
+        return declared + self._watch_successor()
+
+    def _next_joins(self) -> set[str]:
+        """Node ids (authentic) that joined the round after this node's round."""
+        assert self._round is not None
+        prefix = self._r(self._round + 1, "join/")
+        try:
+            kvs, _ = self._kv.range(prefix, prefix_end(prefix), keys_only=not self._auth.enabled)
+        except (EtcdUnavailable, LeaseNotFound):
+            return set()
+        return {kv.key[len(prefix):] for kv in self._authentic(kvs)}
 
     def _resync(self) -> RoundChange:
         """Re-read the round's state after the watch missed events (compaction or a full buffer)."""
@@ -589,19 +706,22 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 change.aborted = abort
                 change.abort_exit_code = self._abort_code()
                 return change
-            now_prefix, next_prefix = self._r(self._round, "join/"), self._r(self._round + 1, "join/")
+            now_prefix, done_prefix = self._r(self._round, "join/"), self._r(self._round, "done/")
             alive = {kv.key[len(now_prefix):] for kv in self._kv.range(now_prefix, prefix_end(now_prefix),
                                                                           keys_only=True)[0]}
+            dones, _ = self._kv.range(done_prefix, prefix_end(done_prefix), keys_only=not self._auth.enabled)
+            done = {kv.key[len(done_prefix):] for kv in self._authentic(dones)}
+            next_prefix = self._r(self._round + 1, "join/")
             nexts, _ = self._kv.range(next_prefix, prefix_end(next_prefix), keys_only=not self._auth.enabled)
             joined = {kv.key[len(next_prefix):] for kv in self._authentic(nexts)}
         except (EtcdUnavailable, LeaseNotFound):
             return change
         self._watch.gap = False
-        change.lost_nodes = sorted(self._members - alive - self._done)
+        change.lost_nodes = sorted(self._members - alive - done - joined)
         change.new_round_requested = bool(joined & self._members)
-        self._waiting = joined - self._members
-        if self._waiting and self._result is not None and self._result.group_world_size < self.max_nodes:
-            change.nodes_waiting = len(self._waiting)
+        waiting = joined - self._members
+        if waiting and self._result is not None and self._result.group_world_size < self.max_nodes:
+            change.nodes_waiting = len(waiting)
         return change
 
     def _write_soon(self, op, what: str, timeout: float = 5.0) -> None:
@@ -634,6 +754,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         base = self._r(round_, "")
         while True:
             cursor = self._watch.seq
+            if self._open(self._retry(lambda: self._kv.get(finished_key), deadline, "finish")) is not None:
+                return True  # the member that saw every other one done wrote it (one event for all)
             kvs, _ = self._retry(lambda: self._kv.range(base, prefix_end(base), keys_only=not self._auth.enabled),
                                  deadline, "finish")
             done = {kv.key[len(base) + 5:] for kv in self._authentic([kv for kv in kvs

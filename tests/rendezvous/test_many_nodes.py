@@ -1,0 +1,60 @@
+"""A c10d round with many nodes in one process (real handlers, a real TCPStore), with and without a
+job token: every node gets a distinct group rank, contiguous global ranks, the same world and the
+same workers' store; then one node leaves and every other member is told."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
+from elastrun.rendezvous.c10d import create_handler
+from tests.harness import free_port
+
+NODES = 24
+
+
+@pytest.mark.parametrize("token", [False, True], ids=["plain", "token"])
+def test_a_round_with_many_nodes_is_consistent(token, monkeypatch):
+    if token:
+        monkeypatch.setenv("ELASTRUN_JOB_TOKEN", "many-nodes-0123456789abcdef0123456789")
+    else:
+        monkeypatch.delenv("ELASTRUN_JOB_TOKEN", raising=False)
+    port = free_port()
+
+    def params(i: int) -> RendezvousParameters:
+        return RendezvousParameters("c10d", f"127.0.0.1:{port}", "many", NODES, NODES,
+                                    config={"is_host": str(i == 0).lower(), "host_linger": "0"})
+
+    handlers = [create_handler(params(0))]
+    handlers += [create_handler(params(i)) for i in range(1, NODES)]
+    results: dict[int, object] = {}
+    try:
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+            i, handlers[i].next_round(NodeInfo(f"node{i:02d}", "127.0.0.1", 2, hostname=f"h{i}")))) for i in
+            range(NODES)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(results) == NODES
+        views = list(results.values())
+        assert sorted(r.group_rank for r in views) == list(range(NODES))
+        assert {(r.round, r.generation, r.group_world_size, r.world_size) for r in views} == {(0, 0, NODES, 2 * NODES)}
+        assert sorted(r.rank_offset for r in views) == list(range(0, 2 * NODES, 2))
+        assert len({(r.store_addr, r.store_port) for r in views}) == 1
+        # A node leaves: every other member's poll reports it (bounded wait).
+        leaver = 5
+        handlers[leaver].leave("test")
+        told: set[int] = set()
+        deadline = time.monotonic() + 10
+        while len(told) < NODES - 1 and time.monotonic() < deadline:
+            told |= {i for i, h in enumerate(handlers) if i != leaver and i not in told
+                     and h.poll().lost_nodes == [f"node{leaver:02d}"]}
+            time.sleep(0.05)
+        assert told == set(range(NODES)) - {leaver}
+    finally:
+        for h in reversed(handlers):
+            h.close()
