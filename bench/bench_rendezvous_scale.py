@@ -172,7 +172,8 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
     # switch interval a thread whose answer came back can wait behind many others (a convoy).
     sys.setswitchinterval(0.0005)
     from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
-    from elastrun.rendezvous.c10d import StoreRendezvousHandler, split_endpoint
+    from elastrun.rendezvous.c10d import StoreRendezvousHandler
+    from elastrun.rendezvous.endpoint import split_endpoint
 
     light = light_handler_class()
     light.beater = _Beater(0.5)
