@@ -30,6 +30,8 @@ DEFAULT_RDZV_PORT = 29400
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_STOP_TIMEOUT = 20.0
 DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
+#: How long a worker of an ``elastrun.train.run`` script may take to leave its group (in-process re-form).
+DEFAULT_REFORM_TIMEOUT = 5.0
 
 #: Exit code of an agent whose job failed in a way a retry will not fix (a crash loop): do not requeue.
 EXIT_NO_REQUEUE = 3
@@ -80,6 +82,7 @@ class LaunchConfig:
     hang_timeout: float | None = None
     startup_timeout: float | None = None
     crash_loop_limit: int = 3
+    reform_timeout: float = DEFAULT_REFORM_TIMEOUT
 
     def worker_argv(self, python: str) -> list[str]:
         """The command line that an exec'd worker runs (``python`` is the interpreter to use).
