@@ -459,14 +459,26 @@ class LocalAgent:
         handle.wait(5.0)
         handle.close()
 
-    def _pause_or_kill(self, doomed: set[int]) -> None:
+    def _pause_or_kill(self, doomed: set[int], dump: bool = False) -> list[WorkerHandle]:
         """End the current group: kill the workers of ``doomed`` local ranks and every worker that
-        cannot re-form in process; pause the others (kept for the next round)."""
+        cannot re-form in process; pause the others (kept for the next round, returned).
+
+        ``dump``: a worker that was asked to leave and did not is sent SIGABRT first (its Python
+        stacks go to its stderr), as a hung worker is.
+        """
         for handle in self.workers:
             if handle.launch.local_rank in doomed and handle.poll() is None:
                 handle.send_signal(signal.SIGKILL)
         candidates = [h for h in self.workers if h.launch.local_rank not in doomed]
-        kept = self.reformer.pause(candidates, self._fault_at or time.monotonic())
+        kept, asked = self.reformer.pause(candidates, self._fault_at or time.monotonic())
+        stuck = [h for h in asked if h not in kept and h.poll() is None]
+        if dump and stuck:
+            for handle in stuck:
+                handle.send_signal(signal.SIGABRT)
+                handle.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + 3.0
+            for handle in stuck:
+                handle.wait(max(0.0, deadline - time.monotonic()))
         for handle in self.workers:
             if handle not in kept:
                 self._discard(handle)
@@ -475,6 +487,7 @@ class LocalAgent:
             took = self.reformer.pending.paused_in if self.reformer.pending else 0.0
             self.console.info(f"rank(s) {', '.join(map(str, ranks))} left their group in {took:.2f} s "
                               "and keep their process for the next round")
+        return kept
 
     def _watch_reforms(self, result: RoundResult) -> None:
         """Read kept workers' reports; once all re-formed, emit the ``reform`` event."""
@@ -634,15 +647,25 @@ class LocalAgent:
     def _end_for_hang(self, result: RoundResult, handle: WorkerHandle, reason: str) -> GroupEnd:
         """Dump the hung worker's Python stacks (faulthandler on SIGABRT), kill the group, record it."""
         detected = time.monotonic()
+        self._fault_at = detected
         rank = handle.launch.rank
-        self.console.error(f"rank {rank} is hung: {reason}; dumping its stack to its stderr and restarting")
         self.events.emit("hang_detected", round=result.round, rank=rank, local_rank=handle.launch.local_rank,
                          reason=reason)
-        handle.send_signal(signal.SIGABRT)
-        handle.send_signal(signal.SIGCONT)
-        status = handle.wait(3.0) or ExitStatus(exitcode=None, signal=signal.SIGKILL, timestamp=time.time())
-        self._fault_at = detected
-        self._pause_or_kill({handle.launch.local_rank})
+        self.reformer.pump()
+        if self.reformer.opted_in(handle):
+            # A worker blocked in a collective on a stopped or dead peer looks hung too: every worker
+            # is asked to leave its group; the ones that cannot are the hung ones (dumped, restarted).
+            self.console.error(f"rank {rank} is hung: {reason}; asking the workers to leave their group "
+                               "(a worker that cannot is dumped to its stderr and restarted)")
+            kept = self._pause_or_kill(set(), dump=True)
+            status = handle.poll() or (ExitStatus(exitcode=None, signal=None, timestamp=time.time()) if handle in kept
+                                       else ExitStatus(exitcode=None, signal=signal.SIGKILL, timestamp=time.time()))
+        else:
+            self.console.error(f"rank {rank} is hung: {reason}; dumping its stack to its stderr and restarting")
+            handle.send_signal(signal.SIGABRT)
+            handle.send_signal(signal.SIGCONT)
+            status = handle.wait(3.0) or ExitStatus(exitcode=None, signal=signal.SIGKILL, timestamp=time.time())
+            self._pause_or_kill({handle.launch.local_rank})
         failure = self._failure_record(result, [(handle, status)])
         failure.message = f"hang detected: {reason}\n{failure.message}"
         return GroupEnd(Outcome.FAILED, failure, f"the hang of rank {rank}", detected)
@@ -675,7 +698,8 @@ class LocalAgent:
                 message = from_file[0]
             else:
                 pump = getattr(handle, "stderr_pump", None)
-                handle.close()
+                if handle.poll() is not None:  # a worker kept for a re-form keeps its streams
+                    handle.close()
                 message = tail_text(pump, handle.launch.stderr_path)
             records.append(
                 FailureRecord(

@@ -66,20 +66,21 @@ class Reformer:
     def opted_in(self, handle: WorkerHandle) -> bool:
         return self.server is not None and handle.poll() is None and self.server.connected(handle.pid)
 
-    def pause(self, handles: list[WorkerHandle], detected_at: float) -> list[WorkerHandle]:
-        """Ask the live, opted-in ``handles`` to leave their group; the ones that did, within the bound."""
+    def pause(self, handles: list[WorkerHandle], detected_at: float) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
+        """Ask the live, opted-in ``handles`` to leave their group: ``(kept, asked)``, kept being
+        those that said they did within the bound."""
         if self.server is None:
-            return []
+            return [], []
         self.pump()
         asked = [h for h in handles if self.opted_in(h) and self.server.send(h.pid, {"type": "pause"})]
         if not asked:
-            return []
+            return [], []
         t0 = time.monotonic()
         answers = self.server.wait_for([h.pid for h in asked], ("paused", "failed"), self.timeout)
         kept = [h for h in asked if answers.get(h.pid, {}).get("type") == "paused" and h.poll() is None]
         self.kept = {h.launch.local_rank: h for h in kept}
         self.pending = Pending(detected_at=detected_at, paused_in=time.monotonic() - t0)
-        return kept
+        return kept, asked
 
     def forget(self, handle: WorkerHandle) -> None:
         if self.server is not None:
