@@ -577,11 +577,11 @@ class LocalAgent:
                     self._fault_at = detected
                     reason = self._describe_change(change)
                     self.console.info(f"{reason}: stopping the local workers for a new round")
-                    self._pause_or_kill(set())
                     if change.nodes_waiting:
                         self.events.emit("nodes_waiting", round=result.round, count=change.nodes_waiting)
                     self.events.emit("restart", round=result.round, reason=reason,
                                      restarts_used=result.restarts_used, max_restarts=result.max_restarts)
+                    self._pause_or_kill(set())
                     return GroupEnd(Outcome.MEMBERSHIP, reason=reason, detected_at=detected)
 
     def _exit_report(self, handle: WorkerHandle) -> tuple[int, float] | None:

@@ -332,6 +332,8 @@ def run(fn: Callable[[State], T], state: State, backend: str | None = None, time
     global _link
     link = Link()
     info = _init(link, backend, timeout_s)
+    if link.active and dist.get_backend() != "gloo":
+        link.close()  # NCCL re-forms are designed (docs/train.md), not built: restarts as before
     if not link.active:
         state.restore()
         return fn(state)
