@@ -148,18 +148,21 @@ def test_survivor_that_cannot_leave_is_restarted(work, procs):
 def test_node_loss_and_join_keep_the_survivor_process(work, procs):
     """2 → 1 → 2 nodes: the surviving node's worker keeps its PID throughout (rolled back from its own
     objects), the joiner gets the state from it; every sample is used once per epoch."""
-    samples, epochs = 320, 2  # long enough that the joiner always arrives before the end
+    samples, epochs = 240, 2
     out = work / "out"
     out.mkdir()
+    hold = work / "hold"  # while it exists, A alone waits (in time.sleep) for a joiner: no race with the end
     run_id = f"reform-test-{uuid.uuid4().hex[:8]}"
     port = free_port()
-    args = ["--samples", str(samples), "--epochs", str(epochs), "--sleep", "0.1", "--reform"]
+    args = ["--samples", str(samples), "--epochs", str(epochs), "--sleep", "0.1", "--reform", "--hold-file", str(hold)]
+    hold.touch()
     try:
         a = procs.start(elastic(out, port, run_id, args), work / "a.log")
         wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
         b = procs.start(elastic(out, port, run_id, args), work / "b.log")
         wait_for(lambda: any(v["world_size"] == 2 for v in restores(out).values()), 60, "world 2")
         grown = max(k[0] for k, v in restores(out).items() if v["world_size"] == 2)
+        hold.unlink()
         first = max(committed_steps(out))
         wait_for(lambda: max(committed_steps(out)) >= first + 6, 60, "progress at world size 2")
         os.killpg(b.pid, signal.SIGKILL)  # node loss: agent and worker
@@ -167,7 +170,10 @@ def test_node_loss_and_join_keep_the_survivor_process(work, procs):
         wait_for(lambda: any(k[0] > grown and v["world_size"] == 1 for k, v in restores(out).items()), 60, "world 1")
         shrink = max(k[0] for k, v in restores(out).items() if v["world_size"] == 1)
         wait_for(lambda: max(committed_steps(out)) >= restores(out)[(shrink, 0)]["step"] + 6, 60, "progress at 1")
+        hold.touch()
         procs.start(elastic(out, port, run_id, args), work / "b2.log")
+        wait_for(lambda: any(k[0] > shrink and v["world_size"] == 2 for k, v in restores(out).items()), 90, "world 2")
+        hold.unlink()
         assert a.wait(150) == 0, (work / "a.log").read_text()[-3000:]
     finally:
         remove_snapshot_dirs(run_id)

@@ -52,6 +52,7 @@ def main() -> None:
     p.add_argument("--stop-at-step", type=int, default=0, help="exit cleanly once this step is committed")
     p.add_argument("--flush", action="store_true", help="wait for each commit's writes (no checkpoint skipped)")
     p.add_argument("--reform", action="store_true", help="run the training body with et.run (in-process re-forms)")
+    p.add_argument("--hold-file", default=None, help="at world size 1, wait (at most 120 s) while this file exists")
     a = p.parse_args()
 
     out = Path(a.out)
@@ -137,6 +138,10 @@ def train(a, out: Path, net, model, opt, sampler, loader, state) -> bool | None:
         while sampler.epoch < a.epochs:
             for idx, x, y in loader:
                 step = state.step + 1
+                if a.hold_file and world == 1:  # a re-form interrupts this wait (the node joins)
+                    deadline = time.monotonic() + 120
+                    while os.path.exists(a.hold_file) and time.monotonic() < deadline:
+                        time.sleep(0.05)
                 record = {"attempt": attempt, "step": step, "epoch": sampler.epoch, "idx": idx.tolist()}
                 os.write(log, (json.dumps(record) + "\n").encode())
                 loss = torch.nn.functional.mse_loss(model(x), y)
