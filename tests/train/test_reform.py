@@ -146,8 +146,9 @@ def test_survivor_that_cannot_leave_is_restarted(work, procs):
 
 
 def test_node_loss_and_join_keep_the_survivor_process(work, procs):
-    """2 → 1 → 2 nodes: the surviving node's worker keeps its PID throughout (rolled back from its own
-    objects), the joiner gets the state from it; every sample is used once per epoch."""
+    """2 → 1 → 2 nodes: the surviving node's worker keeps its PID throughout, the joiner gets the state
+    from it (the survivor, waiting in ``time.sleep``, rolls back from its own objects); every sample
+    is used once per epoch."""
     samples, epochs = 240, 2
     out = work / "out"
     out.mkdir()
@@ -180,7 +181,8 @@ def test_node_loss_and_join_keep_the_survivor_process(work, procs):
     got = restores(out)
     logs = "\n".join((work / n).read_text()[-1500:] for n in ("a.log", "b.log", "b2.log"))
     a_pid = got[(shrink, 0)]["pid"]
-    assert got[(shrink, 0)]["source"] == "live", (got, logs)
+    # "live" unless the loss found the survivor between its optimizer step and its commit ("memory")
+    assert got[(shrink, 0)]["source"] in ("live", "memory"), (got, logs)
     grow = max(k[0] for k, v in got.items() if v["world_size"] == 2)
     assert grow > shrink, (got, logs)
     at_grow = sorted((v["pid"] == a_pid, v["source"]) for k, v in got.items() if k[0] == grow)
@@ -188,3 +190,20 @@ def test_node_loss_and_join_keep_the_survivor_process(work, procs):
     # A's one worker process ran every attempt A took part in: first round, growth, shrink, growth.
     assert sum(1 for v in got.values() if v["pid"] == a_pid) >= 4, (got, logs)
     assert_exactly_once(out, samples, epochs)
+
+
+def test_preemption_under_run_checkpoints_and_exits(work, procs):
+    """SIGTERM to the agent with ``et.run``: as without it, every rank stops at the same step, a
+    durable checkpoint of that step is written, and the job exits without a traceback."""
+    out, ck = work / "out", work / "ck"
+    out.mkdir()
+    args = ["--reform", "--ckpt", str(ck), "--every", "5", "--sleep", "0.2"]
+    agent = procs.start(standalone(out, args), work / "run.log")
+    wait_for(lambda: len(committed_steps(out)) >= 5, 60, "5 steps")
+    os.kill(agent.pid, signal.SIGTERM)
+    agent.wait(60)
+    log = (work / "run.log").read_text()
+    stops = {json.loads((out / f"preempted.r{r}.json").read_text())["step"] for r in (0, 1)}
+    assert len(stops) == 1, log[-3000:]
+    assert (ck / f"step-{stops.pop():012d}" / "manifest.json").exists(), sorted(p.name for p in ck.iterdir())
+    assert "Traceback" not in log, log[-3000:]
