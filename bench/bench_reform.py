@@ -16,7 +16,8 @@ Figures, each from the fault until every rank of the new group has committed a s
   worker start (its agent's ``worker_start`` event: the agent is past its imports and rendezvous);
 - steady state: the step time with and without ``et.run`` (``--standalone``, 2 workers).
 
-Usage: ``python bench/bench_reform.py [--repeat 1] [--only crash,loss,join,steady]``.  Prints a table.
+Usage: ``python bench/bench_reform.py [--repeat 1] [--only crash,loss,join,steady] [--size 100]``.
+Prints a table.
 """
 
 from __future__ import annotations
@@ -44,8 +45,11 @@ def argv(way: str, flags: list[str], logs: Path | None) -> list[str]:
     return [PYTHON, "-m", "elastrun", *flags, *extra, WORKLOAD]
 
 
+SIZE_M = "100"
+
+
 def trial(name: str, way: str, **env: str) -> Trial:
-    return Trial(name, env={"MODE": "reform" if way == "elastrun+run" else "restart", "SIZE_M": "100", **env})
+    return Trial(name, env={"MODE": "reform" if way == "elastrun+run" else "restart", "SIZE_M": SIZE_M, **env})
 
 
 def multi_node(port: int, nnodes: str, host: bool) -> list[str]:
@@ -83,7 +87,8 @@ def crash(way: str) -> dict:
             log(f"crash {way}: never crashed\n{t.output()[-2000:]}")
             return {}
         at = once.stat().st_mtime
-        back = wait_for(lambda: t.all_ranks_stepped(2, after=at), CAP)
+        # steps 7 and later come after the recovery (rank 1 left at the top of step 7)
+        back = wait_for(lambda: t.all_ranks_stepped(2, after=at, min_step=7), CAP)
         return {"total": None if back is None else back - at, "sources": kept(t, at)}
     finally:
         t.close()
@@ -94,7 +99,7 @@ def loss(way: str) -> dict:
     port = free_port()
     logs = t.dir / "logs0"
     try:
-        a = t.start(argv(way, multi_node(port, "1:2", True), logs))
+        t.start(argv(way, multi_node(port, "1:2", True), logs))
         time.sleep(0.5)
         b = t.start(argv(way, multi_node(port, "1:2", False), t.dir / "logs1"))
         if not wait_for(lambda: t.all_ranks_stepped(2, min_step=4), 240):
@@ -108,7 +113,6 @@ def loss(way: str) -> dict:
         if seen is not None and back is not None:
             out["detection"] = seen["ts"] - killed
             out["after detection"] = back - seen["ts"]
-        del a
         return out
     finally:
         t.close()
@@ -153,7 +157,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--only", default="crash,loss,join,steady")
     ap.add_argument("--ways", default=",".join(WAYS))
+    ap.add_argument("--size", default="100", help="model size in millions of parameters")
     a = ap.parse_args()
+    global SIZE_M
+    SIZE_M = a.size
     only = set(a.only.split(","))
     ways = a.ways.split(",")
     results: dict[str, dict[str, list[dict]]] = {}
