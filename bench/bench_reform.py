@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -48,8 +49,17 @@ def argv(way: str, flags: list[str], logs: Path | None) -> list[str]:
 SIZE_M = "100"
 
 
+class RunTrial(Trial):
+    """A trial whose torchrun workers' snapshot directory (named after the run id) goes with it."""
+
+    def close(self) -> None:
+        super().close()
+        for path in Path("/dev/shm").glob("elastrun-snap-bench-*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def trial(name: str, way: str, **env: str) -> Trial:
-    return Trial(name, env={"MODE": "reform" if way == "elastrun+run" else "restart", "SIZE_M": SIZE_M, **env})
+    return RunTrial(name, env={"MODE": "reform" if way == "elastrun+run" else "restart", "SIZE_M": SIZE_M, **env})
 
 
 def multi_node(port: int, nnodes: str, host: bool) -> list[str]:
