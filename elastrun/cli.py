@@ -193,6 +193,10 @@ FLAGS: tuple[Flag, ...] = (
         Flag(("--crash-loop-limit",), "crash_loop_limit", "N", "3",
              "Stop the job, with exit code 3 (do not requeue), after N failed attempts in a row in which "
              "no worker made progress; 0 turns the check off."),
+        Flag(("--reform-timeout",), "reform_timeout", "SECONDS", "5",
+             "Workers of an elastrun.train.run script keep their process across restarts and resizes: "
+             "one that has not left its process group this long after being asked is killed and "
+             "restarted instead; 0 turns in-process re-forms off."),
         Flag(("-q", "--quiet"), "quiet", None, None, "Print only errors and the failure summary."),
         Flag(("-v", "--verbose"), "verbose", None, None, "Print the agent's debug messages."),
         Flag(("-h", "--help"), "help", None, None, "Show this help and exit."),
@@ -606,6 +610,7 @@ def _extras(s: _Settings, warnings: list[str]) -> dict[str, object]:
         "hang_timeout": s.optional_seconds("hang_timeout"),
         "crash_loop_limit": s.int("crash_loop_limit"),
         "startup_timeout": s.optional_seconds("startup_timeout"),
+        "reform_timeout": s.seconds("reform_timeout"),
         "preload": [name.strip() for name in s.text("preload").split(",") if name.strip()],
         "event_log_stdout": s.on("event_log_stdout"),
         "metrics_port": s.int("metrics_port") if s.text("metrics_port") else None,

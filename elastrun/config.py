@@ -34,6 +34,8 @@ DEFAULT_RDZV_PORT = 29400
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_STOP_TIMEOUT = 20.0
 DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
+#: How long a worker of an ``elastrun.train.run`` script may take to leave its group (in-process re-form).
+DEFAULT_REFORM_TIMEOUT = 5.0
 
 #: Exit code of an agent whose job failed in a way a retry will not fix (a crash loop): do not requeue.
 EXIT_NO_REQUEUE = 3
@@ -56,6 +58,7 @@ ALLOWED: dict[str, str] = {
     "monitor_interval": "use seconds > 0, e.g. 0.1",
     "stop_timeout": "use seconds >= 0",
     "exit_barrier_timeout": "use seconds >= 0",
+    "reform_timeout": "use seconds >= 0 (0 turns in-process re-forms off)",
     "hang_timeout": _NO_TIMEOUT,
     "startup_timeout": _NO_TIMEOUT,
 }
@@ -106,6 +109,7 @@ class LaunchConfig:
     hang_timeout: float | None = None
     startup_timeout: float | None = None
     crash_loop_limit: int = 3
+    reform_timeout: float = DEFAULT_REFORM_TIMEOUT
 
     def validate(self, label: Callable[[str], str] | None = None, allowed: Mapping[str, str] | None = None) -> None:
         """Check every field against the others; raise :class:`UsageError` (one line) on the first mistake.
@@ -143,7 +147,7 @@ class LaunchConfig:
         for count in ("max_restarts", "crash_loop_limit"):
             check(getattr(self, count) >= 0, count)
         check(0 < self.monitor_interval < math.inf, "monitor_interval")
-        for seconds in ("stop_timeout", "exit_barrier_timeout"):
+        for seconds in ("stop_timeout", "exit_barrier_timeout", "reform_timeout"):
             check(0 <= getattr(self, seconds) < math.inf, seconds)
         for seconds in ("hang_timeout", "startup_timeout"):
             check(getattr(self, seconds) is None or 0 < getattr(self, seconds) < math.inf, seconds)

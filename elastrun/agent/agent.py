@@ -9,6 +9,8 @@ One agent runs per node.  Its loop::
         on success: exit barrier, exit 0
         on a local failure: kill the local group, record the failure, go round again
         on a change elsewhere (node lost, node waiting, another node's failure): kill, go round again
+        (workers of an ``elastrun.train.run`` script are paused instead of killed, and handed the
+        next round in their own process: see ``elastrun/agent/reform.py``)
         on a job abort (budget spent): print the root cause, exit 1
         on SIGTERM/SIGINT/...: forward, wait the grace period, kill the rest, leave, exit 128+signal
 
@@ -27,12 +29,13 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
 from elastrun.agent.console import Console
 from elastrun.agent.hang import HangTracker
+from elastrun.agent.reform import Reformer
 from elastrun.config import FORWARDED_SIGNALS, LaunchConfig, Std
 from elastrun.observe.events import EventLog
 from elastrun.rendezvous.api import (
@@ -139,6 +142,7 @@ class LocalAgent:
         self.heartbeat_dir = self.runtime_dir / "heartbeat"
         self.snapshot_dir.mkdir()
         self.heartbeat_dir.mkdir()
+        self.reformer = Reformer(self.runtime_dir, self._tmp_dir, config.reform_timeout)
         self.trackers: dict[int, HangTracker] = {}
         #: Exit codes reported by the scripts of the current workers that have returned (by local rank).
         self._exit_reports: dict[int, tuple[int, float]] = {}
@@ -207,6 +211,7 @@ class LocalAgent:
             self._leave(reason)
         finally:
             self._kill_workers()
+            self.reformer.close()
             try:
                 self.handler.close()
             except Exception as exc:
@@ -350,7 +355,7 @@ class LocalAgent:
             node_id=self.node_id,
             error_file=str(error_file),
             snapshot_dir=str(self.snapshot_dir),
-            extra={"ELASTRUN_HEARTBEAT_FILE": str(self.heartbeat_dir / f"rank_{rank}")},
+            extra={"ELASTRUN_HEARTBEAT_FILE": str(self.heartbeat_dir / f"rank_{rank}"), **self.reformer.env()},
         )
         env.setdefault("PYTHONFAULTHANDLER", "1")
         redirect, tee = self._streams_for(local_rank)
@@ -376,6 +381,7 @@ class LocalAgent:
         )
 
     def _start_workers(self, result: RoundResult) -> None:
+        kept, self.reformer.kept = self.reformer.kept, {}
         self.workers = []
         self.trackers = {}
         self._exit_reports = {}
@@ -384,7 +390,16 @@ class LocalAgent:
             hb_path = launch.env["ELASTRUN_HEARTBEAT_FILE"]
             clear_reports(hb_path)
             self.trackers[local_rank] = HangTracker(hb_path, self.config.hang_timeout, self.config.startup_timeout)
-            handle = self.starter.start(launch)
+            handle = kept.pop(local_rank, None)
+            if handle is not None and not self._reassign(handle, launch, result):
+                self._discard(handle)
+                handle = None
+            method = "kept"
+            if handle is None:
+                handle = self.starter.start(launch)
+                method = getattr(handle, "start_method", self.starter.name)
+                if self.reformer.pending is not None:
+                    self.reformer.pending.restarted.append(local_rank)
             self.workers.append(handle)
             self.events.emit(
                 "worker_start",
@@ -393,13 +408,104 @@ class LocalAgent:
                 rank=launch.rank,
                 local_rank=local_rank,
                 pid=handle.pid,
-                start_method=getattr(handle, "start_method", self.starter.name),
+                start_method=method,
             )
+        for handle in kept.values():  # local ranks the new round does not have
+            self._discard(handle)
+        if self.reformer.pending is not None:
+            self.reformer.pending.round = result.round
+            if not self.reformer.pending.kept:
+                self.reformer.pending = None
         if self._fault_at is not None:
             took = time.monotonic() - self._fault_at
             self.events.emit("recovered", round=result.round, reason=self._fault_reason, duration=round(took, 4))
             self.console.info(f"workers running again {took:.2f} s after {self._fault_reason}")
             self._fault_at = None
+
+    def _reassign(self, handle: WorkerHandle, launch: WorkerLaunch, result: RoundResult) -> bool:
+        """Hand a paused worker the new round (it keeps its process, error file and log files)."""
+        old = handle.launch
+        env = dict(launch.env)
+        env["TORCHELASTIC_ERROR_FILE"] = old.env.get("TORCHELASTIC_ERROR_FILE", env["TORCHELASTIC_ERROR_FILE"])
+        new = replace(launch, env=env, error_file=old.error_file, stdout_path=old.stdout_path,
+                      stderr_path=old.stderr_path)
+        if not self.reformer.assign(handle, env, result.round):
+            return False
+        handle.launch = new
+        streams = getattr(handle, "streams", None)
+        if streams is not None:
+            streams.out.set_prefix(new.console_prefix)
+            streams.err.set_prefix(new.console_prefix)
+        pending = self.reformer.pending
+        if pending is not None:
+            pending.kept[new.local_rank] = handle.pid
+        return True
+
+    def _discard(self, handle: WorkerHandle) -> None:
+        """Kill and reap one worker."""
+        self.reformer.forget(handle)
+        if handle.poll() is None:
+            handle.send_signal(signal.SIGKILL)
+        handle.wait(5.0)
+        handle.close()
+
+    def _pause_or_kill(self, doomed: set[int], dump: bool = False) -> list[WorkerHandle]:
+        """End the current group: kill the workers of ``doomed`` local ranks and every worker that
+        cannot re-form in process; pause the others (kept for the next round, returned).
+
+        ``dump``: a worker that was asked to leave and did not is sent SIGABRT first (its Python
+        stacks go to its stderr), as a hung worker is.
+        """
+        for handle in self.workers:
+            if handle.launch.local_rank in doomed and handle.poll() is None:
+                handle.send_signal(signal.SIGKILL)
+        candidates = [h for h in self.workers if h.launch.local_rank not in doomed]
+        kept, asked = self.reformer.pause(candidates, self._fault_at or time.monotonic())
+        stuck = [h for h in asked if h not in kept and h.poll() is None]
+        if dump and stuck:
+            for handle in stuck:
+                handle.send_signal(signal.SIGABRT)
+                handle.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + 3.0
+            for handle in stuck:
+                handle.wait(max(0.0, deadline - time.monotonic()))
+        for handle in self.workers:
+            if handle not in kept:
+                self._discard(handle)
+        if kept:
+            ranks = sorted(h.launch.rank for h in kept)
+            took = self.reformer.pending.paused_in if self.reformer.pending else 0.0
+            self.console.info(f"rank(s) {', '.join(map(str, ranks))} left their group in {took:.2f} s "
+                              "and keep their process for the next round")
+        return kept
+
+    def _watch_reforms(self, result: RoundResult) -> None:
+        """Read kept workers' reports; once all re-formed, emit the ``reform`` event."""
+        pending = self.reformer.pending
+        if pending is None:
+            return
+        for handle in self.workers:
+            local_rank = handle.launch.local_rank
+            if local_rank not in pending.kept:
+                continue
+            failed = self.reformer.take(handle, "failed")
+            if failed is not None:
+                self.console.warn(f"rank {handle.launch.rank} could not re-form: {failed.get('error', '')[-300:]}")
+            done = self.reformer.take(handle, "reformed")
+            if done is not None:
+                pending.reformed[local_rank] = done
+        if len(pending.reformed) < len(pending.kept):
+            return
+        took = time.monotonic() - pending.detected_at
+        sources = sorted({str(r.get("source")) for r in pending.reformed.values()})
+        self.events.emit("reform", round=result.round, duration=round(took, 4), paused_in=round(pending.paused_in, 4),
+                         kept=sorted(pending.kept), restarted=sorted(pending.restarted), sources=sources,
+                         step=max((r.get("step") or 0) for r in pending.reformed.values()))
+        self.console.info(f"re-formed in process {took:.2f} s after the change: local rank(s) "
+                          f"{', '.join(map(str, sorted(pending.kept)))} kept their process"
+                          + (f", {', '.join(map(str, sorted(pending.restarted)))} restarted" if pending.restarted
+                             else "") + f" (state: {', '.join(sources)})")
+        self.reformer.pending = None
 
     def _monitor(self, result: RoundResult) -> GroupEnd:
         interval = self.config.monitor_interval
@@ -412,11 +518,13 @@ class LocalAgent:
             timeout = max(0.0, next_poll - time.monotonic())
             if running:
                 try:
-                    select.select([h.fileno() for h in running], [], [], timeout)
+                    select.select([h.fileno() for h in running] + self.reformer.filenos(), [], [], timeout)
                 except InterruptedError:
                     pass
             else:
                 time.sleep(timeout)
+            self.reformer.pump()
+            self._watch_reforms(result)
             for handle in running:
                 status = handle.poll()
                 if status is None:
@@ -429,7 +537,8 @@ class LocalAgent:
                       if h.launch.local_rank in statuses and not statuses[h.launch.local_rank].succeeded]
             if failed:
                 detected = time.monotonic()
-                self._kill_workers()
+                self._fault_at = detected
+                self._pause_or_kill({h.launch.local_rank for h, _ in failed})
                 failure = self._failure_record(result, failed)
                 how = f"killed by {failure.signal}" if failure.signal else f"exit code {failure.exitcode}"
                 last = [line.strip() for line in failure.message.splitlines() if line.strip()]
@@ -455,13 +564,14 @@ class LocalAgent:
                     return GroupEnd(Outcome.ABORTED, reason=change.aborted, exit_code=change.abort_exit_code)
                 if change.restart_needed:
                     detected = time.monotonic()
-                    self._kill_workers()
+                    self._fault_at = detected
                     reason = self._describe_change(change)
                     self.console.info(f"{reason}: stopping the local workers for a new round")
                     if change.nodes_waiting:
                         self.events.emit("nodes_waiting", round=result.round, count=change.nodes_waiting)
                     self.events.emit("restart", round=result.round, reason=reason,
                                      restarts_used=result.restarts_used, max_restarts=result.max_restarts)
+                    self._pause_or_kill(set())
                     return GroupEnd(Outcome.MEMBERSHIP, reason=reason, detected_at=detected)
 
     def _exit_report(self, handle: WorkerHandle) -> tuple[int, float] | None:
@@ -527,14 +637,25 @@ class LocalAgent:
     def _end_for_hang(self, result: RoundResult, handle: WorkerHandle, reason: str) -> GroupEnd:
         """Dump the hung worker's Python stacks (faulthandler on SIGABRT), kill the group, record it."""
         detected = time.monotonic()
+        self._fault_at = detected
         rank = handle.launch.rank
-        self.console.error(f"rank {rank} is hung: {reason}; dumping its stack to its stderr and restarting")
         self.events.emit("hang_detected", round=result.round, rank=rank, local_rank=handle.launch.local_rank,
                          reason=reason)
-        handle.send_signal(signal.SIGABRT)
-        handle.send_signal(signal.SIGCONT)
-        status = handle.wait(3.0) or ExitStatus(exitcode=None, signal=signal.SIGKILL, timestamp=time.time())
-        self._kill_workers()
+        self.reformer.pump()
+        if self.reformer.opted_in(handle):
+            # A worker blocked in a collective on a stopped or dead peer looks hung too: every worker
+            # is asked to leave its group; the ones that cannot are the hung ones (dumped, restarted).
+            self.console.error(f"rank {rank} is hung: {reason}; asking the workers to leave their group "
+                               "(a worker that cannot is dumped to its stderr and restarted)")
+            kept = self._pause_or_kill(set(), dump=True)
+            status = handle.poll() or (ExitStatus(exitcode=None, signal=None, timestamp=time.time()) if handle in kept
+                                       else ExitStatus(exitcode=None, signal=signal.SIGKILL, timestamp=time.time()))
+        else:
+            self.console.error(f"rank {rank} is hung: {reason}; dumping its stack to its stderr and restarting")
+            handle.send_signal(signal.SIGABRT)
+            handle.send_signal(signal.SIGCONT)
+            status = handle.wait(3.0) or ExitStatus(exitcode=None, signal=signal.SIGKILL, timestamp=time.time())
+            self._pause_or_kill({handle.launch.local_rank})
         failure = self._failure_record(result, [(handle, status)])
         failure.message = f"hang detected: {reason}\n{failure.message}"
         return GroupEnd(Outcome.FAILED, failure, f"the hang of rank {rank}", detected)
@@ -567,7 +688,8 @@ class LocalAgent:
                 message = from_file[0]
             else:
                 pump = getattr(handle, "stderr_pump", None)
-                handle.close()
+                if handle.poll() is not None:  # a worker kept for a re-form keeps its streams
+                    handle.close()
                 message = tail_text(pump, handle.launch.stderr_path)
             records.append(
                 FailureRecord(

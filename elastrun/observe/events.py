@@ -42,6 +42,10 @@ EVENT_KINDS: dict[str, str] = {
     "scale_change": "old_world_size, new_world_size",
     "hang_detected": "round, rank, local_rank, reason",
     "recovered": "round, reason, duration (s from the fault to all workers started)",
+    "reform": (
+        "round, duration (s from the change to every kept worker re-formed), paused_in, kept, restarted (local "
+        "ranks), sources, step"
+    ),
     "signal": "signal, action, grace",
     "job_failed": "reason, exitcode",
     "rendezvous_warning": "message, kind (e.g. forged_value), key, why",

@@ -14,11 +14,23 @@ Usage (see docs/train.md)::
             ...
             state.commit()
 
+Or, to keep the process when the job changes (in-process re-form, docs/train.md)::
+
+    def train(state):
+        model = DDP(net)                       # built on the current group, every time
+        while sampler.epoch < 3:
+            for x, y in loader:
+                ...
+                state.commit()
+
+    et.run(train, state)                       # init_distributed + restore + train, re-formed on changes
+
 Importing this package imports torch; ``import elastrun`` alone does not.
 """
 
 from elastrun.train.dist import DistInfo, init_distributed
+from elastrun.train.reform import Reform, run
 from elastrun.train.sampler import ElasticSampler
 from elastrun.train.state import State
 
-__all__ = ["DistInfo", "ElasticSampler", "State", "init_distributed"]
+__all__ = ["DistInfo", "ElasticSampler", "Reform", "State", "init_distributed", "run"]

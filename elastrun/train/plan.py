@@ -16,6 +16,12 @@ Rules, in order:
 3. The source is ``memory`` when every rank's node holds that step, ``peer`` when only some do
    (the lowest such rank broadcasts it), else ``disk`` (the lowest rank that sees the checkpoint
    reads and verifies it, then broadcasts it, so a checkpoint is read once, not once per rank).
+
+After an in-process re-form (``elastrun.train.run``) a surviving rank also reports the step its
+own objects hold (``live``: nothing ran ``optimizer.step()`` since that commit).  A live step
+counts as readable on that rank, as its node's memory does: the source is ``live`` when every
+rank holds the step live or in its node's memory (at least one live: those ranks copy nothing),
+and a live rank can be the sender of ``peer``.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class Report:
     mem_rng: dict[int, list[int]] = field(default_factory=dict)  # rank -> steps on this node
     disk: dict[int, int] = field(default_factory=dict)  # step -> world size
     disk_rng: dict[int, list[int]] = field(default_factory=dict)  # step -> ranks with an RNG file
+    live: dict[int, int] = field(default_factory=dict)  # step -> world size, held by this process's objects
 
 
 @dataclass
@@ -39,14 +46,14 @@ class Plan:
     """The agreed restore: step, source, which rank sends the state, who supplies each RNG state."""
 
     step: int
-    source: str  # "memory" | "peer" | "disk"
+    source: str  # "live" | "memory" | "peer" | "disk"
     src_rank: int | None
     saved_world_size: int
     rng_holders: dict[int, int]  # rank -> rank that supplies its RNG state (absent: derive)
 
 
 def _holders(reports: list[Report], step: int, excluded: set[tuple]) -> tuple[list[int], list[int]]:
-    mem = [r.rank for r in reports if step in r.mem and ("mem", r.rank, step) not in excluded]
+    mem = [r.rank for r in reports if (step in r.mem and ("mem", r.rank, step) not in excluded) or step in r.live]
     disk = [r.rank for r in reports if step in r.disk and ("disk", step) not in excluded]
     return mem, disk
 
@@ -70,6 +77,8 @@ def make_plan(reports: list[Report], excluded: set[tuple] | None = None) -> Plan
     world = len(reports)
     saved_ws: dict[int, int] = {}
     for r in reports:
+        for step, ws in r.live.items():
+            saved_ws[step] = ws
         for step, ws in r.mem.items():
             if ("mem", r.rank, step) not in excluded:
                 saved_ws[step] = ws
@@ -92,7 +101,8 @@ def make_plan(reports: list[Report], excluded: set[tuple] | None = None) -> Plan
             step, holders = step - 1, prev_holders
     mem, disk = _holders(reports, step, excluded)
     if len(mem) == world:
-        return Plan(step, "memory", None, saved_ws[step], holders)
+        live = any(step in r.live for r in reports)
+        return Plan(step, "live" if live else "memory", None, saved_ws[step], holders)
     if mem:
         return Plan(step, "peer", min(mem), saved_ws[step], holders)
     return Plan(step, "disk", min(disk), saved_ws[step], holders)

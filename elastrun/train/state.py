@@ -19,19 +19,21 @@ second helper thread while every rank writes its RNG file there (see ``checkpoin
 from __future__ import annotations
 
 import atexit
+import copy
 import os
 import shutil
 import signal
 import socket
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from elastrun.train import dist as edist
-from elastrun.train import notes, rng
+from elastrun.train import notes, reform, rng
 from elastrun.train.background import BackgroundJob
 from elastrun.train.blob import copy_into, flatten, make_header, materialize
 from elastrun.train.checkpoint import CheckpointCorrupt, CheckpointDir, DiskCandidate
@@ -41,7 +43,21 @@ from elastrun.train.sampler import ElasticSampler
 from elastrun.train.snapshot import RNG_KEEP, MemorySnapshots, SlotInfo
 from elastrun.workers.heartbeat import heartbeat
 
-_RESERVED = {"step", "commit", "restore", "checkpoint", "flush", "close", "extras", "preempted"}
+_RESERVED = {"step", "commit", "restore", "checkpoint", "flush", "close", "extras", "preempted", "last_restore"}
+
+
+@dataclass
+class _Live:
+    """What a process's own objects can be rolled back to in a re-form (see ``State._live``)."""
+
+    step: int
+    world_size: int
+    rng: bytes
+    aux: dict[str, Any]
+
+
+#: ``State._fetch``'s answer for a rank whose own objects already hold the planned step.
+_USE_LIVE = object()
 
 
 def _world() -> tuple[int, int, int]:
@@ -130,8 +146,16 @@ class State:
         self._persister = BackgroundJob("elastrun-checkpoint")
         self._skipped_warned = False
         self._flag_scratch: list[torch.Tensor] = []
+        #: What this process's live objects hold (under ``elastrun.train.run`` only): the step of the
+        #: last commit or restore, the world size it was committed at, this rank's RNG states then,
+        #: and copies of what changes outside ``optimizer.step()`` (sampler, extras, buffers).
+        self._live: _Live | None = None
+        #: True once ``optimizer.step()`` began after that commit: parameters no longer match it.
+        self._dirty = False
         #: True once this process got SIGTERM; commit() then checkpoints and exits.
         self.preempted = False
+        #: What the last ``restore()`` returned on this rank (None: nothing restored yet, or a fresh start).
+        self.last_restore: str | None = None
         self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) if optimizer else None
         if handle_signals:
             self._install_signal_handler()
@@ -161,6 +185,9 @@ class State:
             return m.module
         return m
 
+    def _tree_extras(self) -> dict[str, Any]:
+        return {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self._extras.items()}
+
     def _tree(self) -> dict[str, Any]:
         module = self._module()
         return {
@@ -168,7 +195,7 @@ class State:
             "model": module.state_dict() if module is not None else None,
             "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
             "sampler": self._sampler.state_dict() if self._sampler is not None else None,
-            "extras": {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self._extras.items()},
+            "extras": self._tree_extras(),
         }
 
     def _stable_ptrs(self) -> set[int]:
@@ -199,7 +226,53 @@ class State:
 
     # -- commit --------------------------------------------------------------------------------
     def _before_optimizer_step(self, *_: Any) -> None:
-        self._finish_copy()  # the parameters are about to change: the snapshot must hold the old ones
+        with reform.section():
+            self._finish_copy()  # the parameters are about to change: the snapshot must hold the old ones
+        self._dirty = True
+
+    # -- what a re-form rolls back to (elastrun.train.run) ------------------------------------------
+    def _aux(self) -> dict[str, Any]:
+        """Copies of the committed state that changes outside ``optimizer.step()``."""
+        module = self._module()
+        return {
+            "sampler": self._sampler.state_dict() if self._sampler is not None else None,
+            "extras": copy.deepcopy(self._tree_extras()),
+            "buffers": [b.detach().clone() for b in module.buffers()] if module is not None else [],
+        }
+
+    def _remember_live(self, payload: bytes) -> None:
+        if reform.active():
+            self._live = _Live(self.step, self._world_size, payload, self._aux())
+            self._dirty = False
+
+    def _live_step(self) -> int | None:
+        """The committed step this process's objects can roll back to without a copy, or None (torn)."""
+        if self._live is None or self._dirty:
+            return None
+        return self._live.step
+
+    def _rollback_live(self) -> None:
+        """Put the live objects back to the remembered commit (parameters and optimizer state are
+        untouched since: only the copies of everything else are applied)."""
+        live = self._live
+        assert live is not None
+        if self._sampler is not None and live.aux["sampler"] is not None:
+            self._sampler.load_state_dict(live.aux["sampler"])
+        for k, v in copy.deepcopy(live.aux["extras"]).items():
+            if k in self._extras and hasattr(self._extras[k], "load_state_dict"):
+                self._extras[k].load_state_dict(v)
+            else:
+                self._extras[k] = v
+        module = self._module()
+        if module is not None:
+            with torch.no_grad():
+                for b, saved in zip(module.buffers(), live.aux["buffers"], strict=True):
+                    b.copy_(saved)
+        self.step = live.step
+
+    def _rebind(self) -> None:
+        """Take the rank and world size of the new process group (after a re-form)."""
+        self._rank, self._world_size, self._local_rank = _world()
 
     def _finish_copy(self) -> None:
         """Complete the running snapshot copy, helping it on this thread (see ``copier.py``)."""
@@ -220,13 +293,18 @@ class State:
         Cheap on the training thread; on pre-emption (SIGTERM) it makes a durable checkpoint of
         this step on every rank and then exits this process with status 0.
         """
+        with reform.section():
+            self._commit()
+
+    def _commit(self) -> None:
         self._drain()
         if self._sampler is not None:
             self._sampler.advance()
         self.step += 1
         heartbeat()  # progress for the agent's hang and crash-loop detection
         stop = edist.any_flag(self.preempted, self._flag_scratch)
-        self._mem.write_rng(self._rank, self.step, rng.capture())
+        rng_state = rng.capture()
+        self._mem.write_rng(self._rank, self.step, rng_state)
         if self._writes_shared and self.step % 100 == 0:
             self._mem.prune_rng(self.step - 2 * RNG_KEEP)
         durable = self._ckpt is not None and (stop or (self._every > 0 and self.step % self._every == 0))
@@ -241,6 +319,7 @@ class State:
             self._persister.wait()  # on rank 0: the job the writer queued after the snapshot
             if self.preempted:
                 raise SystemExit(0)
+        self._remember_live(rng_state)
 
     def _snapshot(self, persist: bool, stop: bool, background: bool) -> None:
         """Copy the replicated state of ``self.step`` into a memory slot (and queue its checkpoint).
@@ -335,12 +414,17 @@ class State:
     def _report(self) -> tuple[Report, dict[int, SlotInfo], dict[int, DiskCandidate]]:
         slots = {i.step: i for i in self._mem.scan()}
         disk = {c.step: c for c in self._ckpt.scan(warn=self._rank == 0)} if self._ckpt else {}
+        mem_rng = self._mem.scan_rng()
+        live = self._live_step()
+        if live is not None:  # this rank's own RNG states of its live step, held in memory
+            mem_rng[self._rank] = sorted({*mem_rng.get(self._rank, ()), live})
         report = Report(
             rank=self._rank,
             mem={s: i.world_size for s, i in slots.items()},
-            mem_rng=self._mem.scan_rng(),
+            mem_rng=mem_rng,
             disk={s: c.world_size for s, c in disk.items()},
             disk_rng={s: c.rng_ranks for s, c in disk.items()},
+            live={live: self._live.world_size} if live is not None and self._live is not None else {},
         )
         return report, slots, disk
 
@@ -348,8 +432,15 @@ class State:
         """Load the newest saved state all ranks agree on; returns its source or None (fresh start).
 
         ``"memory"``: each node's own snapshot; ``"peer"``: sent by a rank whose node has it;
-        ``"disk"``: the checkpoint directory.  Collective: every rank must call it.
+        ``"disk"``: the checkpoint directory; ``"live"`` (after an in-process re-form under
+        ``elastrun.train.run`` only): this process's own objects, rolled back without a copy.
+        Collective: every rank must call it.
         """
+        with reform.section():
+            self.last_restore = self._restore()
+        return self.last_restore
+
+    def _restore(self) -> str | None:
         self._drain()
         self._persister.wait()
         report, slots, disk = self._report()
@@ -361,20 +452,37 @@ class State:
                 return None
             loaded = self._fetch(plan, slots, disk)
             failures = edist.all_gather(None if loaded is not None else self._rank)
-            if plan.source == "memory" and any(f is not None for f in failures):
+            if plan.source in ("memory", "live") and any(f is not None for f in failures):
                 excluded.update(("mem", f, plan.step) for f in failures if f is not None)
                 continue
             if loaded is None:
                 excluded.add(("disk", plan.step) if plan.source == "disk" else ("mem", plan.src_rank, plan.step))
                 continue
-            self._apply(loaded)
+            if loaded is _USE_LIVE:
+                self._rollback_live()
+                source = "live"
+            else:
+                self._apply(loaded)
+                source = "memory" if plan.source == "live" else plan.source
             self._restore_rng(plan, disk)
-            return plan.source
+            return source
         raise RuntimeError("State.restore(): no saved state could be loaded on every rank")
 
+    def _live_bytes(self) -> tuple[dict[str, Any], torch.Tensor]:
+        """Header and bytes of the live objects (rolled back to their commit first), to send to peers."""
+        self._rollback_live()
+        flat = flatten(self._tree())
+        header = make_header(flat, step=self.step, world_size=self._live.world_size if self._live else 0)
+        data = torch.empty(flat.nbytes, dtype=torch.uint8)
+        copy_into(flat, data)
+        return header, data
+
     def _fetch(self, plan: Plan, slots: dict[int, SlotInfo], disk: dict[int, DiskCandidate]) -> Any:
-        """The state tree of ``plan.step`` on this rank, or None when it could not be read."""
-        if plan.source == "memory":
+        """The state tree of ``plan.step`` on this rank, ``_USE_LIVE``, or None when it could not be read."""
+        live = self._live_step() == plan.step
+        if plan.source in ("memory", "live"):
+            if live:
+                return _USE_LIVE
             try:
                 info = slots[plan.step]
                 return materialize(info.header, self._mem.read(info))
@@ -385,7 +493,9 @@ class State:
         data = None
         if self._rank == plan.src_rank:
             try:
-                if plan.source == "peer":
+                if plan.source == "peer" and live:
+                    header, data = self._live_bytes()
+                elif plan.source == "peer":
                     info = slots[plan.step]
                     header, data = info.header, self._mem.read(info)
                 else:
@@ -402,15 +512,18 @@ class State:
         if data is None:
             data = torch.empty(header["nbytes"], dtype=torch.uint8)
         edist.broadcast_bytes(data, plan.src_rank)  # type: ignore[arg-type]
+        if live:
+            return _USE_LIVE  # this rank's own objects already hold the step
         return materialize(header, data)
 
     def _restore_rng(self, plan: Plan, disk: dict[int, DiskCandidate]) -> None:
         """Gather each rank's RNG state from whoever holds it, then apply (or derive) it."""
         mine: dict[int, bytes] = {}
+        live = self._live if self._live_step() == plan.step else None
         for k, holder in plan.rng_holders.items():
             if holder != self._rank:
                 continue
-            blob = self._mem.read_rng(k, plan.step)
+            blob = live.rng if live is not None and k == self._rank else self._mem.read_rng(k, plan.step)
             if blob is None and plan.step in disk and self._ckpt is not None:
                 blob = self._ckpt.load_rng(disk[plan.step], k)
             if blob is not None:
@@ -420,6 +533,13 @@ class State:
             merged.update(part)
         payload = merged.get(self._rank)
         step, rank = plan.step, self._rank
+        if payload is None and reform.active():  # derived states, captured for a later re-form
+            current = rng.capture()
+            rng.derive(step, rank)
+            payload = rng.capture()
+            rng.apply(current)
+        if payload is not None:
+            self._remember_live(payload)
 
         def apply() -> None:
             if payload is not None:

@@ -108,3 +108,18 @@ def clear_reports(heartbeat_path: str) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def reset() -> None:
+    """Forget the open heartbeat file: the next :func:`heartbeat` opens ``ELASTRUN_HEARTBEAT_FILE`` again.
+
+    Used by a worker that stays in its process across a re-form and gets a new file.
+    """
+    global _fd, _last
+    if _fd is not None and _fd >= 0:
+        try:
+            os.close(_fd)
+        except OSError:
+            pass
+    _fd = None
+    _last = 0.0

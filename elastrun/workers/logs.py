@@ -40,6 +40,10 @@ class StreamPump(threading.Thread):
             self._file = open(file_path, "ab")  # noqa: SIM115 - closed by run()
         self.tail: collections.deque[str] | None = collections.deque(maxlen=TAIL_LINES) if keep_tail else None
 
+    def set_prefix(self, prefix: str) -> None:
+        """Prefix later console lines with ``prefix`` (a worker kept across a re-form has a new rank)."""
+        self._prefix = prefix.encode()
+
     def run(self) -> None:
         pending = b""
         try:

@@ -92,3 +92,14 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # this spec's own loader
         return spec
+
+
+def release_oldest(keep: int) -> None:
+    """Drop the guard's references to all but the ``keep`` most recently destroyed groups.
+
+    For a process that re-forms its group many times (``elastrun.train.run``): a group that has
+    been idle for a whole round has no work item left in flight, so freeing it now cannot meet
+    the race this guard avoids, and the kept groups (threads, sockets) stay bounded.
+    """
+    if keep >= 0 and len(KEPT) > keep:
+        del KEPT[: len(KEPT) - keep]

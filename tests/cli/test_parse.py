@@ -80,6 +80,7 @@ VALUE_FLAGS = [
     ("--metrics-port", "9100", "metrics_port", 9100),
     ("--hang-timeout", "30", "hang_timeout", 30.0),
     ("--startup-timeout", "90", "startup_timeout", 90.0),
+    ("--reform-timeout", "2.5", "reform_timeout", 2.5),
 ]
 SWITCHES = [
     ("--standalone", "standalone"),

@@ -136,6 +136,20 @@ def test_plan_rules():
     assert make_plan([Report(0), Report(1)]) is None
 
 
+def test_plan_live_source():
+    """After an in-process re-form: a survivor's own objects count as holding their step."""
+    # the survivor (rank 0) holds step 7 live; the restarted rank 1 has it in its node's memory
+    p = make_plan([Report(0, live={7: 2}, mem_rng={0: [7]}), Report(1, mem={6: 2, 7: 2}, mem_rng={1: [6, 7]})])
+    assert (p.step, p.source, p.rng_holders) == (7, "live", {0: 0, 1: 1})
+    # a node joins: the live survivor sends the state
+    p = make_plan([Report(0, live={7: 1}, mem_rng={0: [7]}), Report(1)])
+    assert (p.step, p.source, p.src_rank) == (7, "peer", 0)
+    # a survivor one commit ahead of a rank whose RNG of that step is missing goes back to memory
+    p = make_plan([Report(0, live={8: 2}, mem={7: 2}, mem_rng={0: [7, 8], 1: [7]}),
+                   Report(1, mem={7: 2}, mem_rng={0: [7, 8], 1: [7]})])
+    assert (p.step, p.source) == (7, "memory")
+
+
 def make_job(tmp_path, seed=0, **options):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))

@@ -1,0 +1,210 @@
+"""In-process re-form (``elastrun.train.run``) against restarts: a 100M-parameter model, 2 agents × 1 worker.
+
+Three ways to run the same script (``bench/reform_workload.py``, elastrun.train with a memory
+snapshot every commit):
+
+- ``elastrun+run``: elastrun, the training body run by ``et.run`` (survivors keep their process);
+- ``elastrun``: elastrun, the script written the usual way (every worker restarted, warm pool);
+- ``torchrun``: torchrun, the usual script (every worker restarted, fresh interpreters).
+
+Figures, each from the fault until every rank of the new group has committed a step:
+
+- worker crash: rank 1 exits with code 1 at step 6 (once);
+- node loss: the second agent and its worker are SIGKILLed; split into detection (until the
+  survivor's agent logs the change) and the rest (re-form or restart);
+- node join: a second agent starts beside one that trains alone; also measured from the joiner's
+  worker start (its agent's ``worker_start`` event: the agent is past its imports and rendezvous);
+- steady state: the step time with and without ``et.run`` (``--standalone``, 2 workers).
+
+Usage: ``python bench/bench_reform.py [--repeat 1] [--only crash,loss,join,steady] [--size 100]``.
+Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import PYTHON, ROOT, Trial, fmt, free_port, log, median, wait_for  # noqa: E402
+
+WORKLOAD = str(ROOT / "bench" / "reform_workload.py")
+WAYS = ("elastrun+run", "elastrun", "torchrun")
+CAP = 60.0
+
+
+def argv(way: str, flags: list[str], logs: Path | None) -> list[str]:
+    if way == "torchrun":
+        return [PYTHON, "-m", "torch.distributed.run", *flags, WORKLOAD]
+    extra = ["--preload=torch,elastrun.train"] + ([f"--log-dir={logs}"] if logs is not None else [])
+    return [PYTHON, "-m", "elastrun", *flags, *extra, WORKLOAD]
+
+
+SIZE_M = "100"
+
+
+class RunTrial(Trial):
+    """A trial whose torchrun workers' snapshot directory (named after the run id) goes with it."""
+
+    def close(self) -> None:
+        super().close()
+        for path in Path("/dev/shm").glob("elastrun-snap-bench-*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def trial(name: str, way: str, **env: str) -> Trial:
+    return RunTrial(name, env={"MODE": "reform" if way == "elastrun+run" else "restart", "SIZE_M": SIZE_M, **env})
+
+
+def multi_node(port: int, nnodes: str, host: bool) -> list[str]:
+    conf = f"is_host={'true' if host else 'false'},last_call_timeout=1"
+    return [f"--nnodes={nnodes}", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=bench", "--max-restarts=3", f"--rdzv-conf={conf}"]
+
+
+def agent_events(logs: Path) -> list[dict]:
+    out = []
+    for path in logs.glob("events-*.jsonl"):
+        out.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return sorted(out, key=lambda e: e["ts"])
+
+
+def first_event(logs: Path, kind: str, after: float) -> dict | None:
+    return next((e for e in agent_events(logs) if e["event"] == kind and e["ts"] >= after), None)
+
+
+def kept(t: Trial, after: float) -> str:
+    """Which restore sources the ranks of the new group used (``live`` = kept its process)."""
+    return ",".join(sorted({e.get("source") or "-" for e in t.events() if e["ev"] == "restored" and e["t"] > after}))
+
+
+def crash(way: str) -> dict:
+    t = trial(f"reform-crash-{way}", way, CRASH_AT_STEP="6", CRASH_RANK="1")
+    once = t.dir / "crashed"
+    t.env["CRASH_ONCE_FILE"] = str(once)
+    port = free_port()
+    try:
+        for i in range(2):
+            t.start(argv(way, multi_node(port, "2", i == 0), t.dir / f"logs{i}"))
+            time.sleep(0.5 if i == 0 else 0)
+        if not wait_for(once.exists, 240):
+            log(f"crash {way}: never crashed\n{t.output()[-2000:]}")
+            return {}
+        at = once.stat().st_mtime
+        # steps 7 and later come after the recovery (rank 1 left at the top of step 7)
+        back = wait_for(lambda: t.all_ranks_stepped(2, after=at, min_step=7), CAP)
+        return {"total": None if back is None else back - at, "sources": kept(t, at)}
+    finally:
+        t.close()
+
+
+def loss(way: str) -> dict:
+    t = trial(f"reform-loss-{way}", way)
+    port = free_port()
+    logs = t.dir / "logs0"
+    try:
+        t.start(argv(way, multi_node(port, "1:2", True), logs))
+        time.sleep(0.5)
+        b = t.start(argv(way, multi_node(port, "1:2", False), t.dir / "logs1"))
+        if not wait_for(lambda: t.all_ranks_stepped(2, min_step=4), 240):
+            log(f"loss {way}: never formed\n{t.output()[-2000:]}")
+            return {}
+        killed = time.time()
+        t.kill_tree(b)
+        back = wait_for(lambda: t.all_ranks_stepped(1, after=killed), CAP)
+        out: dict = {"total": None if back is None else back - killed, "sources": kept(t, killed)}
+        seen = first_event(logs, "restart", killed) if way != "torchrun" else None
+        if seen is not None and back is not None:
+            out["detection"] = seen["ts"] - killed
+            out["after detection"] = back - seen["ts"]
+        return out
+    finally:
+        t.close()
+
+
+def join(way: str) -> dict:
+    t = trial(f"reform-join-{way}", way)
+    port = free_port()
+    logs = t.dir / "logs1"
+    try:
+        t.start(argv(way, multi_node(port, "1:2", True), t.dir / "logs0"))
+        if not wait_for(lambda: t.all_ranks_stepped(1, min_step=4), 240):
+            log(f"join {way}: never stepped alone\n{t.output()[-2000:]}")
+            return {}
+        joined = time.time()
+        t.start(argv(way, multi_node(port, "1:2", False), logs))
+        back = wait_for(lambda: t.all_ranks_stepped(2, after=joined), CAP)
+        out: dict = {"total": None if back is None else back - joined, "sources": kept(t, joined)}
+        started = first_event(logs, "worker_start", joined) if way != "torchrun" else None
+        if started is not None and back is not None:
+            out["from joiner ready"] = back - started["ts"]
+        return out
+    finally:
+        t.close()
+
+
+def steady(way: str, steps: int = 16) -> float | None:
+    """Median interval between committed steps (steps 4 and later), ``--standalone`` with 2 workers."""
+    t = trial(f"reform-steady-{way}", way, STEPS=str(steps))
+    try:
+        proc = t.start(argv(way, ["--standalone", "--nproc-per-node=2"], None))
+        proc.wait(600)
+        times = sorted(e["t"] for e in t.events() if e["ev"] == "step" and e["rank"] == 0 and e["n"] >= 4)
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        return statistics.median(gaps) if gaps else None
+    finally:
+        t.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--only", default="crash,loss,join,steady")
+    ap.add_argument("--ways", default=",".join(WAYS))
+    ap.add_argument("--size", default="100", help="model size in millions of parameters")
+    a = ap.parse_args()
+    global SIZE_M
+    SIZE_M = a.size
+    only = set(a.only.split(","))
+    ways = a.ways.split(",")
+    results: dict[str, dict[str, list[dict]]] = {}
+    for name, measure in (("crash", crash), ("loss", loss), ("join", join)):
+        if name not in only:
+            continue
+        for i in range(a.repeat):
+            for way in ways:
+                got = measure(way)
+                log(f"{name} {way} #{i}: {got}")
+                results.setdefault(name, {}).setdefault(way, []).append(got)
+    print("| figure | " + " | ".join(ways) + " |")
+    print("|---|" + "---|" * len(ways))
+    labels = {"crash": "worker crash → all ranks stepping", "loss": "node loss (agent SIGKILL) → survivor stepping",
+              "join": "node join → all ranks stepping (from the joiner's launch)"}
+    for name, by_way in results.items():
+        keys = list(dict.fromkeys(k for runs in by_way.values() for r in runs for k in r if k != "sources"))
+        for key in keys:
+            label = labels[name] if key == "total" else f"  {name}: {key}"
+            cells = [fmt(median(r.get(key) for r in by_way.get(w, []))) for w in ways]
+            print(f"| {label} | " + " | ".join(cells) + " |")
+        srcs = [";".join(r.get("sources", "") for r in by_way.get(w, [])) or "—" for w in ways]
+        print(f"|   {name}: restore sources | " + " | ".join(srcs) + " |")
+    if "steady" in only:
+        step: dict[str, list] = {}
+        for i in range(max(2, a.repeat)):
+            for way in ("elastrun+run", "elastrun"):
+                got = steady(way)
+                log(f"steady {way} #{i}: {got}")
+                step.setdefault(way, []).append(got)
+        run_s, plain_s = median(step["elastrun+run"]), median(step["elastrun"])
+        over = f"{(run_s / plain_s - 1) * 100:+.1f} %" if run_s and plain_s else "—"
+        print(f"| steady-state step, with / without et.run | {fmt(run_s)} / {fmt(plain_s)} ({over}) | | |")
+
+
+if __name__ == "__main__":
+    main()

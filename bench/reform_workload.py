@@ -1,0 +1,69 @@
+"""The training script of ``bench_reform.py``: a 100M-parameter MLP trained with elastrun.train.
+
+``MODE=reform`` runs the training body through ``et.run`` (in-process re-forms); ``MODE=restart``
+is the same script written the usual way (``init_distributed``, ``restore``, loop), which every
+launcher restarts.  One JSON line per event in ``$BENCH_LOG/<pid>.jsonl``, as ``workload.py``:
+``restored`` (rank, world, source) each time the state is restored and one ``step`` line per
+committed step.  Environment: SIZE_M (model size in millions, 100), BATCH (8), STEPS (100000),
+CRASH_AT_STEP/CRASH_RANK/CRASH_ONCE_FILE (exit 1 there, once: the file's mtime is the crash).
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import elastrun.train as et  # noqa: E402
+from bench.bench_train import make_model  # noqa: E402
+
+
+def main() -> None:
+    log = open(os.path.join(os.environ["BENCH_LOG"], f"{os.getpid()}.jsonl"), "a", buffering=1)  # noqa: SIM115
+
+    def emit(event: str, **fields) -> None:
+        log.write(json.dumps({"ev": event, "t": time.time(), **fields}) + "\n")
+
+    net = make_model(int(os.environ.get("SIZE_M", "100")))
+    width = net[0].in_features
+    opt = torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)
+    steps = int(os.environ.get("STEPS", "100000"))
+    batch = int(os.environ.get("BATCH", "8"))
+    crash_at = int(os.environ.get("CRASH_AT_STEP", "-1"))
+    crash_rank = int(os.environ.get("CRASH_RANK", "0"))
+    once = os.environ.get("CRASH_ONCE_FILE")
+    state = et.State(model=net, optimizer=opt)
+
+    def train(state: et.State) -> None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        emit("restored", rank=rank, world=world, source=state.last_restore, step=state.step)
+        model = DDP(net)
+        g = torch.Generator().manual_seed(rank)
+        while state.step < steps:
+            if state.step == crash_at and rank == crash_rank and once and not os.path.exists(once):
+                open(once, "w").close()
+                sys.exit(1)
+            x = torch.randn(batch, width, generator=g)
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            state.commit()
+            emit("step", n=state.step, rank=rank, world=world, gen=int(os.environ["TORCHELASTIC_RESTART_COUNT"]))
+
+    if os.environ.get("MODE", "reform") == "reform":
+        et.run(train, state)
+    else:
+        et.init_distributed()
+        state.restore()
+        train(state)
+
+
+if __name__ == "__main__":
+    main()

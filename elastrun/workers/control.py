@@ -1,0 +1,270 @@
+"""The control channel between an agent and the workers that opted in to in-process re-forms.
+
+A worker started by elastrun finds ``ELASTRUN_CONTROL_SOCKET`` in its environment: a Unix
+socket the agent listens on in its runtime directory.  A script that runs its training through
+``elastrun.train.run`` connects and says hello; from then on the agent, instead of killing that
+worker for a change elsewhere, asks it to leave its process group and waits for the new round's
+environment (see docs/train.md, "In-process re-form").  Workers that never connect are handled
+as before: killed and started again.
+
+Messages are JSON objects, one per line, each with a ``type``:
+
+- worker → agent: ``hello`` (``pid``, ``local_rank``), ``paused`` (it left its group; ``live``:
+  the step its objects hold, or null), ``reformed`` (``round``, ``source``), ``failed`` (``error``);
+- agent → worker: ``pause`` (leave the current group now), ``assign`` (``env``: the new round's
+  worker environment, ``round``).
+
+The agent side (:class:`ControlServer`) never blocks: it is pumped from the agent's ``select``
+loop.  The worker side (:class:`ControlClient`) reads on a daemon thread and hands messages to
+a callback, so a ``pause`` reaches a training thread that is blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+#: Environment variables the agent gives every worker.
+SOCKET_ENV = "ELASTRUN_CONTROL_SOCKET"
+#: Seconds a worker whose group broke on its own (a peer's connection closed) waits for its agent.
+WAIT_ENV = "ELASTRUN_REFORM_WAIT"
+_MAX_LINE = 1 << 20
+
+
+def _encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
+class _Lines:
+    """Splits a byte stream into JSON messages."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        self._buf += data
+        out = []
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(message, dict):
+                out.append(message)
+        if len(self._buf) > _MAX_LINE:
+            self._buf = b""
+        return out
+
+
+class _Peer:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.lines = _Lines()
+        self.pid: int | None = None
+        self.local_rank: int | None = None
+
+
+class ControlServer:
+    """The agent's end: accepts workers' connections, keeps each one's messages by PID."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(str(path))
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        self._peers: dict[int, _Peer] = {}  # by descriptor
+        #: Messages received from each hello'd worker (by PID), oldest first.
+        self.inbox: dict[int, list[dict[str, Any]]] = {}
+
+    def filenos(self) -> list[int]:
+        """Descriptors to include in the agent's ``select``."""
+        return [self._listener.fileno(), *self._peers]
+
+    def pump(self, timeout: float = 0.0) -> None:
+        """Accept new connections and read what arrived, waiting at most ``timeout`` for something."""
+        ready, _, _ = select.select(self.filenos(), [], [], timeout)
+        for fd in ready:
+            if fd == self._listener.fileno():
+                self._accept()
+            elif fd in self._peers:
+                self._read(self._peers[fd])
+
+    def _accept(self) -> None:
+        for _ in range(64):
+            try:
+                sock, _addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            sock.setblocking(False)
+            self._peers[sock.fileno()] = _Peer(sock)
+
+    def _read(self, peer: _Peer) -> None:
+        try:
+            data = peer.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(peer)
+            return
+        for message in peer.lines.feed(data):
+            if message.get("type") == "hello" and isinstance(message.get("pid"), int):
+                peer.pid = message["pid"]
+                peer.local_rank = message.get("local_rank")
+                self.inbox[peer.pid] = []
+            elif peer.pid is not None:
+                self.inbox.setdefault(peer.pid, []).append(message)
+
+    def _drop(self, peer: _Peer) -> None:
+        self._peers.pop(peer.sock.fileno(), None)
+        peer.sock.close()
+        if peer.pid is not None:
+            self.inbox.pop(peer.pid, None)
+
+    def _peer(self, pid: int) -> _Peer | None:
+        return next((p for p in self._peers.values() if p.pid == pid), None)
+
+    def connected(self, pid: int) -> bool:
+        """Whether the worker with this PID has said hello and is still connected."""
+        return self._peer(pid) is not None
+
+    def send(self, pid: int, message: dict[str, Any]) -> bool:
+        """Send one message to a worker; False if it is not connected (or the send failed)."""
+        peer = self._peer(pid)
+        if peer is None:
+            return False
+        data = _encode(message)
+        deadline = time.monotonic() + 2.0
+        while data:
+            try:
+                sent = peer.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                if time.monotonic() > deadline:
+                    return False
+                select.select([], [peer.sock], [], 0.05)
+                continue
+            except OSError:
+                self._drop(peer)
+                return False
+            data = data[sent:]
+        return True
+
+    def take(self, pid: int, kind: str) -> dict[str, Any] | None:
+        """Remove and return the oldest message of type ``kind`` from this worker, if any."""
+        box = self.inbox.get(pid, [])
+        for i, message in enumerate(box):
+            if message.get("type") == kind:
+                return box.pop(i)
+        return None
+
+    def wait_for(self, pids: list[int], kinds: tuple[str, ...], timeout: float) -> dict[int, dict[str, Any]]:
+        """Wait (bounded) until each worker sent one message of one of ``kinds`` or disconnected.
+
+        Returns the message by PID for those that answered; the others are missing.
+        """
+        deadline = time.monotonic() + timeout
+        answers: dict[int, dict[str, Any]] = {}
+        while True:
+            for pid in pids:
+                if pid in answers:
+                    continue
+                for kind in kinds:
+                    message = self.take(pid, kind)
+                    if message is not None:
+                        answers[pid] = message
+                        break
+            waiting = [p for p in pids if p not in answers and self.connected(p)]
+            left = deadline - time.monotonic()
+            if not waiting or left <= 0:
+                return answers
+            self.pump(min(left, 0.05))
+
+    def forget(self, pid: int) -> None:
+        """Close the connection of a worker that is being killed."""
+        peer = self._peer(pid)
+        if peer is not None:
+            self._drop(peer)
+
+    def close(self) -> None:
+        for peer in list(self._peers.values()):
+            self._drop(peer)
+        self._listener.close()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class ControlClient:
+    """The worker's end: one connection to its agent, read on a daemon thread.
+
+    ``on_message`` runs on that thread for every message from the agent; ``None`` signals that
+    the agent closed the connection.
+    """
+
+    def __init__(self, path: str, on_message: Callable[[dict[str, Any] | None], None]) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+        self._send_lock = threading.Lock()
+        self._on_message = on_message
+        self._thread = threading.Thread(target=self._read, name="elastrun-control", daemon=True)
+
+    @classmethod
+    def from_env(cls, on_message: Callable[[dict[str, Any] | None], None]) -> ControlClient | None:
+        """Connect to the agent named in ``ELASTRUN_CONTROL_SOCKET``; None outside elastrun."""
+        path = os.environ.get(SOCKET_ENV)
+        if not path:
+            return None
+        try:
+            return cls(path, on_message)
+        except OSError:
+            return None
+
+    def hello(self, local_rank: int) -> None:
+        """Say who this worker is, then start reading the agent's messages."""
+        self.send({"type": "hello", "pid": os.getpid(), "local_rank": local_rank})
+        self._thread.start()
+
+    def send(self, message: dict[str, Any]) -> bool:
+        with self._send_lock:
+            try:
+                self._sock.sendall(_encode(message))
+            except OSError:
+                return False
+        return True
+
+    def _read(self) -> None:
+        lines = _Lines()
+        while True:
+            try:
+                data = self._sock.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                self._on_message(None)
+                return
+            for message in lines.feed(data):
+                self._on_message(message)
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()

@@ -1,0 +1,209 @@
+"""In-process re-forms (``elastrun.train.run``) under the real launcher: real agents, real gloo workers.
+
+Survivors keep their process (same PID) across a worker crash, a node loss and a node join; the
+run still ends bit-for-bit equal to an uninterrupted one and uses every sample once per epoch.
+Workers that cannot leave their group in time fall back to today's restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import uuid
+from pathlib import Path
+
+from tests.harness import free_port, listening
+from tests.train.harness import (
+    assert_exactly_once,
+    committed_steps,
+    elastic,
+    remove_snapshot_dirs,
+    restores,
+    standalone,
+    wait_for,
+)
+
+SAMPLES = 96
+
+
+def final(out: Path) -> dict:
+    return json.loads((out / "final.json").read_text())
+
+
+def clean_run(work: Path, procs, args: list[str]) -> dict:
+    """The uninterrupted run the others must equal (without et.run: the modes must agree too)."""
+    out = work / "clean"
+    out.mkdir()
+    rc = procs.run(standalone(out, args), work / "clean.log")
+    assert rc == 0, (work / "clean.log").read_text()[-3000:]
+    return final(out)
+
+
+def events(log: Path, kind: str) -> list[dict]:
+    found = []
+    for line in log.read_text().splitlines():
+        if line.startswith("{") and f'"{kind}"' in line:
+            record = json.loads(line)
+            if record.get("event") == kind:
+                found.append(record)
+    return found
+
+
+def stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
+def test_worker_crashes_survivor_keeps_process_bit_for_bit(work, procs):
+    """Two crashes in a row: each time the other rank keeps its PID; a clean survivor rolls back
+    from its own objects ("live"), a torn one (crash after the survivor's optimizer step) from
+    node memory; the end equals an uninterrupted run."""
+    expected = clean_run(work, procs, ["--ddp"])
+    out = work / "out"
+    out.mkdir()
+    args = ["--ddp", "--reform", "--crash=0:1:5:after", "--crash=1:0:9:before"]
+    flags = ("--max-restarts=2", "--crash-loop-limit=0", "--event-log-stdout")
+    rc = procs.run(standalone(out, args, flags=flags), work / "run.log")
+    log = (work / "run.log").read_text()
+    assert rc == 0, log[-3000:]
+    got = restores(out)
+    assert got[(1, 0)]["pid"] == got[(0, 0)]["pid"], got  # rank 0 survived the first crash
+    assert got[(1, 0)]["source"] == "live" and got[(1, 0)]["step"] == 5, got
+    assert got[(1, 1)]["pid"] != got[(0, 1)]["pid"] and got[(1, 1)]["source"] == "memory", got
+    assert got[(2, 1)]["pid"] == got[(1, 1)]["pid"], got  # rank 1 survived the second crash
+    assert got[(2, 0)]["pid"] != got[(1, 0)]["pid"], got
+    assert {got[(2, r)]["step"] for r in (0, 1)} == {8}, got  # "before": step 9 never committed
+    reforms = events(work / "run.log", "reform")
+    assert [r["kept"] for r in reforms] == [[0], [1]], reforms
+    assert final(out) == expected, "parameters differ from the uninterrupted run"
+    assert_exactly_once(out, SAMPLES, 2)
+
+
+def test_spawned_workers_reform_too(work, procs):
+    """``--start-method spawn`` (no warm pool): the survivor keeps its process, the restarted rank is
+    exec'd, and the result is still bit-for-bit the uninterrupted one."""
+    expected = clean_run(work, procs, [])
+    out = work / "out"
+    out.mkdir()
+    flags = ("--max-restarts=1", "--start-method=spawn")
+    rc = procs.run(standalone(out, ["--reform", "--crash=0:0:6:after"], flags=flags), work / "run.log", timeout=180)
+    log = (work / "run.log").read_text()
+    assert rc == 0, log[-3000:]
+    got = restores(out)
+    assert got[(1, 1)]["pid"] == got[(0, 1)]["pid"] and got[(1, 1)]["source"] == "live", got
+    assert got[(1, 0)]["pid"] != got[(0, 0)]["pid"], got
+    assert "re-formed in process" in log, log[-3000:]
+    assert final(out) == expected
+
+
+def test_survivor_leaves_collective_blocked_on_stopped_peer(work, procs):
+    """A SIGSTOPped rank blocks the other in a collective; the hang detector kills the stopped one,
+    the blocked survivor leaves its collective (its group's connections are shut down) and keeps its
+    process; the job ends equal to an uninterrupted one."""
+    expected = clean_run(work, procs, ["--ddp"])
+    out = work / "out"
+    out.mkdir()
+    flags = ("--max-restarts=1", "--hang-timeout=2")
+    agent = procs.start(standalone(out, ["--ddp", "--reform", "--sleep", "0.05"], flags=flags), work / "run.log")
+    wait_for(lambda: len(committed_steps(out)) >= 4, 60, "4 steps")
+    victim = restores(out)[(0, 1)]["pid"]
+    os.kill(victim, signal.SIGSTOP)
+    assert agent.wait(120) == 0, (work / "run.log").read_text()[-3000:]
+    log = (work / "run.log").read_text()
+    got = restores(out)
+    assert got[(1, 0)]["pid"] == got[(0, 0)]["pid"], (got, log[-3000:])
+    assert got[(1, 1)]["pid"] != victim, got
+    # Either rank may be judged hung first (both are silent); only the stopped one cannot leave.
+    assert " is hung: " in log and "[node0 rank1]: Fatal Python error: Aborted" in log, log[-3000:]
+    assert "re-formed in process" in log, log[-3000:]
+    assert final(out) == expected
+
+
+def test_survivor_that_cannot_leave_is_restarted(work, procs):
+    """Fallback: a survivor that does not answer the pause (SIGSTOPped) within --reform-timeout is
+    killed and restarted as today; the job still ends bit-for-bit equal to an uninterrupted run."""
+    expected = clean_run(work, procs, ["--ddp"])
+    out = work / "out"
+    out.mkdir()
+    flags = ("--max-restarts=1", "--reform-timeout=1")
+    agent = procs.start(standalone(out, ["--ddp", "--reform", "--sleep", "0.05"], flags=flags), work / "run.log")
+    wait_for(lambda: len(committed_steps(out)) >= 4, 60, "4 steps")
+    first = restores(out)
+    os.kill(first[(0, 0)]["pid"], signal.SIGSTOP)
+    wait_for(lambda: stopped(first[(0, 0)]["pid"]), 10, "rank 0 stopped")
+    os.kill(first[(0, 1)]["pid"], signal.SIGKILL)
+    assert agent.wait(120) == 0, (work / "run.log").read_text()[-3000:]
+    log = (work / "run.log").read_text()
+    got = restores(out)
+    assert {got[(1, r)]["pid"] for r in (0, 1)}.isdisjoint({first[(0, r)]["pid"] for r in (0, 1)}), got
+    assert {got[(1, r)]["source"] for r in (0, 1)} == {"memory"}, got
+    assert "re-formed in process" not in log, log[-3000:]
+    assert final(out) == expected
+    assert_exactly_once(out, SAMPLES, 2)
+
+
+def test_node_loss_and_join_keep_the_survivor_process(work, procs):
+    """2 → 1 → 2 nodes: the surviving node's worker keeps its PID throughout, the joiner gets the state
+    from it (the survivor, waiting in ``time.sleep``, rolls back from its own objects); every sample
+    is used once per epoch."""
+    samples, epochs = 240, 2
+    out = work / "out"
+    out.mkdir()
+    hold = work / "hold"  # while it exists, A alone waits (in time.sleep) for a joiner: no race with the end
+    run_id = f"reform-test-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    args = ["--samples", str(samples), "--epochs", str(epochs), "--sleep", "0.1", "--reform", "--hold-file", str(hold)]
+    hold.touch()
+    try:
+        a = procs.start(elastic(out, port, run_id, args), work / "a.log")
+        wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
+        b = procs.start(elastic(out, port, run_id, args), work / "b.log")
+        wait_for(lambda: any(v["world_size"] == 2 for v in restores(out).values()), 60, "world 2")
+        grown = max(k[0] for k, v in restores(out).items() if v["world_size"] == 2)
+        hold.unlink()
+        first = max(committed_steps(out))
+        wait_for(lambda: max(committed_steps(out)) >= first + 6, 60, "progress at world size 2")
+        os.killpg(b.pid, signal.SIGKILL)  # node loss: agent and worker
+        b.wait(10)
+        wait_for(lambda: any(k[0] > grown and v["world_size"] == 1 for k, v in restores(out).items()), 60, "world 1")
+        shrink = max(k[0] for k, v in restores(out).items() if v["world_size"] == 1)
+        wait_for(lambda: max(committed_steps(out)) >= restores(out)[(shrink, 0)]["step"] + 6, 60, "progress at 1")
+        hold.touch()
+        procs.start(elastic(out, port, run_id, args), work / "b2.log")
+        wait_for(lambda: any(k[0] > shrink and v["world_size"] == 2 for k, v in restores(out).items()), 90, "world 2")
+        hold.unlink()
+        assert a.wait(150) == 0, (work / "a.log").read_text()[-3000:]
+    finally:
+        remove_snapshot_dirs(run_id)
+    got = restores(out)
+    logs = "\n".join((work / n).read_text()[-1500:] for n in ("a.log", "b.log", "b2.log"))
+    a_pid = got[(shrink, 0)]["pid"]
+    # "live" unless the loss found the survivor between its optimizer step and its commit ("memory")
+    assert got[(shrink, 0)]["source"] in ("live", "memory"), (got, logs)
+    grow = max(k[0] for k, v in got.items() if v["world_size"] == 2)
+    assert grow > shrink, (got, logs)
+    at_grow = sorted((v["pid"] == a_pid, v["source"]) for k, v in got.items() if k[0] == grow)
+    assert at_grow == [(False, "peer"), (True, "live")], (got, logs)
+    # A's one worker process ran every attempt A took part in: first round, growth, shrink, growth.
+    assert sum(1 for v in got.values() if v["pid"] == a_pid) >= 4, (got, logs)
+    assert_exactly_once(out, samples, epochs)
+
+
+def test_preemption_under_run_checkpoints_and_exits(work, procs):
+    """SIGTERM to the agent with ``et.run``: as without it, every rank stops at the same step, a
+    durable checkpoint of that step is written, and the job exits without a traceback."""
+    out, ck = work / "out", work / "ck"
+    out.mkdir()
+    args = ["--reform", "--ckpt", str(ck), "--every", "5", "--sleep", "0.2"]
+    agent = procs.start(standalone(out, args), work / "run.log")
+    wait_for(lambda: len(committed_steps(out)) >= 5, 60, "5 steps")
+    os.kill(agent.pid, signal.SIGTERM)
+    agent.wait(60)
+    log = (work / "run.log").read_text()
+    stops = {json.loads((out / f"preempted.r{r}.json").read_text())["step"] for r in (0, 1)}
+    assert len(stops) == 1, log[-3000:]
+    assert (ck / f"step-{stops.pop():012d}" / "manifest.json").exists(), sorted(p.name for p in ck.iterdir())
+    assert "Traceback" not in log, log[-3000:]
