@@ -325,7 +325,7 @@ class LocalAgent:
             self.events.emit("scale_change", old_world_size=self._prev_world, new_world_size=result.world_size)
         self._prev_world = result.world_size
         if result.lost_nodes:
-            self.events.emit("node_lost", round=result.round, lost=result.lost_nodes)
+            self.events.emit("node_lost", round=result.round, lost=result.lost_nodes, causes=result.lost_causes)
         lost = f"; node(s) lost since the last round: {', '.join(result.lost_nodes)}" if result.lost_nodes else ""
         self.console.info(
             f"round {result.round} formed in {result.duration:.2f} s: {result.group_world_size} node(s), "

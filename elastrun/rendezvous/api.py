@@ -66,6 +66,12 @@ class JobFinishedError(RendezvousError):
     """The job this node tried to join has already finished successfully."""
 
 
+#: Why a node is no longer a member: ``link`` (its agent process is gone: its liveness link closed
+#: and a new connection was refused), ``silence`` (no heartbeat or lease renewal for the timeout:
+#: a partition, a stopped process, a dead host), ``left`` (it left the job: a signal, pre-emption).
+LOST_CAUSES = ("link", "silence", "left")
+
+
 @dataclass
 class NodeInfo:
     """What a node tells the others when it joins a round."""
@@ -80,6 +86,8 @@ class NodeInfo:
     prev_group_rank: int = -1
     #: ``--node-rank`` for the static backend; -1 elsewhere.
     fixed_rank: int = -1
+    #: TCP port on ``addr`` of this agent's liveness link (:mod:`elastrun.rendezvous.link`); 0: none.
+    link_port: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -101,6 +109,8 @@ class Member:
     role: str = "default"
     role_rank_offset: int = 0
     hostname: str = ""
+    #: Port of the node's liveness link on ``addr`` (0: none).
+    link_port: int = 0
 
 
 @dataclass
@@ -126,6 +136,8 @@ class RoundResult:
     duration: float = 0.0
     #: Nodes of the previous round that were declared dead or left (a membership change).
     lost_nodes: list[str] = field(default_factory=list)
+    #: How each lost node was found out (see :data:`LOST_CAUSES`), by node id.
+    lost_causes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -136,6 +148,8 @@ class RoundChange:
     nodes_waiting: int = 0
     #: Members of the current round declared dead (missed heartbeats) or gone.
     lost_nodes: list[str] = field(default_factory=list)
+    #: How each lost node was found out (see :data:`LOST_CAUSES`), by node id.
+    lost_causes: dict[str, str] = field(default_factory=dict)
     #: Another member asked for a new round (its workers failed, or it saw a change first).
     new_round_requested: bool = False
     #: The job was ended; ``JobFailedError.summary``-style text.

@@ -14,6 +14,9 @@ Keys (``P`` = ``/elastrun/<run_id>/``, ``Q`` = ``P/e/<incarnation>/``)::
     Q/r<R>/fail/<node>      FailureRecord of a node whose workers failed in round R
     Q/r<R>/done/<node>      the node's workers finished (exit barrier)
     Q/r<R>/left/<node>      the node left for good (reason)
+    Q/r<R>/dead/<node>      ``link:<watcher>``: the node's process was found gone by its ring watcher's
+                            liveness link; written in one transaction with the deletion of its join
+                            key, then the watcher revokes the dead agent's lease
     Q/abort, Q/finished     the job ended
 
 With a job token (docs/rendezvous-protocol.md, "The job token") ``P/epoch`` also holds the job's
@@ -75,6 +78,7 @@ from elastrun.rendezvous.etcd.client import (
     op_put,
     prefix_end,
 )
+from elastrun.rendezvous.link import Link, listen_for_watchers, ring_successor
 from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, judge_round_end, member_view
 
 #: A waiting node re-reads the state at least this often even without a watch event (safety net).
@@ -119,6 +123,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._round: int | None = None
         self._result: RoundResult | None = None
         self._members: set[str] = set()
+        #: Liveness link (:mod:`elastrun.rendezvous.link`): this round's members by group rank, the
+        #: ones the link found gone, and what the round's dead/ and left/ markers say of lost members.
+        self._link: Link | None = None
+        self._link_tried = False
+        self._link_kv: EtcdClient | None = None
+        self._ring: list[Member] = []
+        self._link_gone: set[str] = set()
+        self._ring_lock = threading.Lock()
+        self._causes: dict[str, str] = {}
         self._poll_seq = 0
         self._waiting: set[str] = set()
         self._done: set[str] = set()
@@ -292,6 +305,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         started = time.monotonic()
         deadline = started + self.join_timeout
         self._node = node
+        if self._link is None and not self._link_tried:
+            self._link_tried = True
+            self._link = listen_for_watchers(node, lambda: self._auth, self._on_link_dead, self.warn)
+        node.link_port = self._link.port if self._link is not None else 0
         if self._result is not None:
             node.prev_group_rank = self._result.group_rank
         while True:
@@ -452,6 +469,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             kvs = self._authentic(kvs)
             still = {kv.key[len(old) + 5:] for kv in kvs if kv.key.startswith(old + "join/")}
             done = {kv.key[len(old) + 5:] for kv in kvs if kv.key.startswith(old + "done/")}
+            marks = self._marks([kv.key for kv in kvs], old)
             ids = {kv.key[len(join_prefix):] for kv in joiners}
             for m in prev_members:
                 if m not in still:
@@ -470,6 +488,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if size is None:
             return False
         members = assign_ranks([NodeInfo.from_json(kv.value) for kv in joiners[:size]])
+        causes = {n: marks.get(n, "silence") for n in lost} if prev_doc is not None else {}
         generation, used, abort, abort_code, streak = 0, 0, None, 1, 0
         if prev_doc is not None:
             generation = int(prev_doc["generation"]) + 1
@@ -484,7 +503,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         doc = json.dumps({
             "members": [dataclasses.asdict(m) for m in members], "generation": generation,
             "restarts_used": used, "max_restarts": self.params.max_restarts, "abort": abort,
-            "abort_code": abort_code, "no_progress_streak": streak, "lost": lost,
+            "abort_code": abort_code, "no_progress_streak": streak, "lost": lost, "lost_causes": causes,
             "closed_at": time.time(),
         })
         def put(key: str, value: str) -> dict[str, Any]:
@@ -540,8 +559,63 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._round, self._result = round_, result
         self._members = {m.node_id for m in members}
         self._poll_seq = cursor
-        self._waiting, self._done = set(), set()
+        self._waiting, self._done, self._causes = set(), set(), {}
+        with self._ring_lock:
+            self._ring = sorted(members, key=lambda m: m.group_rank)
+            self._link_gone = set()
+        self._relink()
         return result
+
+    # ------------------------------------------------------------------ liveness link
+    def _relink(self) -> None:
+        """Hold the liveness link to the first ring successor not known gone."""
+        if self._link is None or self._node is None:
+            return
+        with self._ring_lock:
+            target = ring_successor(self._ring, self._node.node_id, self._link_gone)
+        if target is None:
+            self._link.watch(None)
+        else:
+            self._link.watch(target.node_id, target.addr, target.link_port)
+
+    def _on_link_dead(self, node_id: str) -> None:
+        """Called by the link's thread: the ring successor's process is gone.  Declare it now, once.
+
+        One transaction writes ``r<R>/dead/<node>`` and deletes the node's join key, guarded by the
+        join key's revision, so only one writer wins (and nothing is done if its lease already
+        expired or it left); the winner then revokes the dead agent's lease so its other keys go too.
+        Every member sees the deletion through its watch, as for an expired lease.
+        """
+        round_, me = self._round, self._node.node_id if self._node else ""
+        if round_ is not None and not self._closed:
+            if self._link_kv is None:
+                self._link_kv = EtcdClient(self.settings, self._shared)
+            kv = self._link_kv
+            join_key, dead_key = self._r(round_, "join", node_id), self._r(round_, "dead", node_id)
+            try:
+                found = kv.get(join_key)
+                if found is not None and kv.txn(
+                    [cmp_mod(join_key, found.mod_revision), cmp_absent(dead_key)],
+                    [op_put(dead_key, self._seal(dead_key, f"link:{me}"), self._job_lease), op_delete(join_key)],
+                ) and found.lease:
+                    kv.revoke(found.lease)
+            except RendezvousError as exc:  # etcd unreachable: the lease expires on its own
+                self._warn(f"could not declare {node_id} dead in etcd ({exc}); its lease will expire")
+        with self._ring_lock:
+            self._link_gone.add(node_id)
+        self._relink()  # the next successor may be gone too
+
+    @staticmethod
+    def _marks(keys: list[str], base: str) -> dict[str, str]:
+        """What the ``dead/`` and ``left/`` markers among ``keys`` (under ``base`` = ``r<R>/``) say, by node."""
+        causes: dict[str, str] = {}
+        for key in keys:
+            if not key.startswith(base):
+                continue
+            kind, _, node = key[len(base):].partition("/")
+            if kind in ("dead", "left") and node:
+                causes[node] = "link" if kind == "dead" else "left"
+        return causes
 
     # ------------------------------------------------------------------ while running
     def poll(self) -> RoundChange:
@@ -570,6 +644,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         for ev in events:
             if ev.kind == "PUT" and self._auth.enabled and self._auth.open(ev.key, ev.value) is None:
                 continue  # a forged value: never acted on (reported once)
+            if ev.kind == "PUT":
+                self._causes.update(self._marks([ev.key], self._r(round_, "")))
             if ev.key == self._q + "abort" and ev.kind == "PUT":
                 change.aborted = self._auth.open(ev.key, ev.value)
                 change.abort_exit_code = self._abort_code()
@@ -590,6 +666,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 else:
                     self._waiting.add(node)
         change.lost_nodes = lost
+        change.lost_causes = {n: self._causes.get(n, "silence") for n in lost}
         if self._waiting and self._result.group_world_size < self.max_nodes:
             change.nodes_waiting = len(self._waiting)
         return change
@@ -609,10 +686,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
                                                                           keys_only=True)[0]}
             nexts, _ = self._kv.range(next_prefix, prefix_end(next_prefix), keys_only=not self._auth.enabled)
             joined = {kv.key[len(next_prefix):] for kv in self._authentic(nexts)}
+            base = self._r(self._round, "")
+            for kind in ("dead/", "left/"):
+                marks, _ = self._kv.range(base + kind, prefix_end(base + kind), keys_only=not self._auth.enabled)
+                self._causes.update(self._marks([kv.key for kv in self._authentic(marks)], base))
         except (EtcdUnavailable, LeaseNotFound):
             return change
         self._watch.gap = False
         change.lost_nodes = sorted(self._members - alive - self._done)
+        change.lost_causes = {n: self._causes.get(n, "silence") for n in change.lost_nodes}
         change.new_round_requested = bool(joined & self._members)
         self._waiting = joined - self._members
         if self._waiting and self._result is not None and self._result.group_world_size < self.max_nodes:
@@ -670,6 +752,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if self._closed:
             return
         self._closed = True
+        if self._link is not None:
+            self._link.close()  # "bye" to this node's watcher: leaving is not dying
         if self._keeper is not None:
             self._keeper.stop()
         if self._watch is not None:
