@@ -23,8 +23,10 @@ class Job:
     backend: str
     endpoint: str
 
+    nnodes: str = "1:2"
+
     def flags(self, log_dir: Path, *extra: str) -> list[str]:
-        return ["--nnodes=1:2", "--nproc-per-node=1", f"--rdzv-backend={self.backend}",
+        return [f"--nnodes={self.nnodes}", "--nproc-per-node=1", f"--rdzv-backend={self.backend}",
                 f"--rdzv-endpoint={self.endpoint}", "--rdzv-id=deathwatch", "--max-restarts=0",
                 f"--log-dir={log_dir}", *extra]
 
@@ -95,6 +97,39 @@ def test_killed_agent_is_seen_from_its_closed_link(agents, job, tmp_path):
     assert f"-{a1.pid}-" in node, lost
     assert lost["causes"] == {node: "link"}, (lost, agents.outputs())
     assert a0.proc.poll() is None, agents.outputs()
+
+
+def test_two_neighbours_killed_at_once_are_both_seen_from_links(agents, job, tmp_path):
+    """Ring 0 → 1 → 2 → 0: node 0 watches 1, whose watcher of 2 dies with it.  Node 0 finds 1 gone,
+    moves on to 2 at once and finds it gone too: both from their links, none from silence."""
+    job.nnodes = "1:3"
+    env = _steps_env(tmp_path)
+    a0, a1, logs = _start_pair(agents, job, tmp_path, env)
+    logs.append(tmp_path / "logs2")
+    a2 = agents.start(job.flags(logs[2]), env=env, name="agent2")
+    try:
+        wait_until(lambda: {s.rank for s in read_steps(tmp_path / "steps") if s.world == 3} == {0, 1, 2}, 90,
+                   what="three nodes stepping in one group")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{agents.outputs()}") from None
+    survivor = next(i for i, d in enumerate(logs) if _events(d, "round_closed")[-1]["group_rank"] == 0)
+    victims = [a for i, a in enumerate((a0, a1, a2)) if i != survivor]
+    for victim in victims:
+        victim.kill(signal.SIGKILL)
+    try:
+        causes = wait_until(lambda: _lost_causes(logs[survivor], 2), 60, what="both losses")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{agents.outputs()}") from None
+    assert sorted(causes.values()) == ["link", "link"], (causes, agents.outputs())
+    assert {n.split("-")[-2] for n in causes} == {str(v.pid) for v in victims}
+
+
+def _lost_causes(log_dir: Path, count: int) -> dict[str, str] | None:
+    """The causes of the first ``count`` nodes the agent logging to ``log_dir`` reported lost."""
+    causes: dict[str, str] = {}
+    for event in _events(log_dir, "node_lost"):
+        causes.update(event["causes"])
+    return causes if len(causes) >= count else None
 
 
 def test_stopped_agent_is_declared_dead_by_heartbeat_silence(agents, job, tmp_path):
