@@ -56,14 +56,14 @@ def _events(log_dir: Path, kind: str) -> list[dict]:
 
 
 def _start_pair(agents: Cluster, job: Job, tmp_path: Path, env: dict[str, str], script: list[str] | None = None,
-                second: tuple[str, ...] = ()):
+                both: tuple[str, ...] = (), second: tuple[str, ...] = ()):
     """Agent 0 (the c10d store host) then agent 1; returns them with their log directories."""
     logs = [tmp_path / "logs0", tmp_path / "logs1"]
-    a0 = agents.start(job.flags(logs[0]), script=script, env=env, name="agent0")
+    a0 = agents.start(job.flags(logs[0], *both), script=script, env=env, name="agent0")
     if job.backend == "c10d":
         port = int(job.endpoint.rsplit(":", 1)[1])
         wait_until(lambda: listening(port) or a0.proc.poll() is not None, 30, what="store host up")
-    a1 = agents.start(job.flags(logs[1], *second), script=script, env=env, name="agent1")
+    a1 = agents.start(job.flags(logs[1], *both, *second), script=script, env=env, name="agent1")
     return a0, a1, logs
 
 
@@ -159,8 +159,9 @@ def test_node_that_finishes_first_says_bye(agents, tmp_path):
     business: with c10d, silence)."""
     job = Job("c10d", f"127.0.0.1:{free_port()}")
     env = base_env(LINGER="8", LINGER_ONCE=str(tmp_path / "lingered"))
+    # A long last call: the first round waits for both nodes (later rounds need only node 0).
     a0, a1, logs = _start_pair(agents, job, tmp_path, env, script=[str(SCRIPTS / "finish_uneven.py")],
-                               second=("--exit-barrier-timeout=1",))
+                               both=("--rdzv-conf=last_call_timeout=120",), second=("--exit-barrier-timeout=1",))
     assert a1.wait(90) == 0, agents.outputs()
     assert a0.wait(90) == 0, agents.outputs()
     causes = [c for e in _events(logs[0], "node_lost") for c in e["causes"].values()]
