@@ -74,7 +74,7 @@ def detection(backend: str, endpoint: str, fault: str) -> tuple[float | None, fl
                     continue
                 lost = e.get("lost") or []
                 if e["event"] == "node_lost" and any(n.startswith(prefix) for n in lost):
-                    return e["ts"], next(c for n, c in (e.get("causes") or {}).items() if n.startswith(prefix))
+                    return e["ts"], next((c for n, c in (e.get("causes") or {}).items() if n.startswith(prefix)), None)
                 if e["event"] == "restart" and prefix in str(e.get("reason")):
                     return e["ts"], None
             return None

@@ -420,9 +420,12 @@ class LocalAgent:
                 return self._stop_for_signal(self._pending_signal)
             running = [h for h in self.workers if h.launch.local_rank not in statuses]
             timeout = max(0.0, next_poll - time.monotonic())
-            if running:
+            wake = self.handler.wakeup_fileno()  # readable: the rendezvous has news, poll it now
+            fds = [h.fileno() for h in running] + ([] if wake is None else [wake])
+            if fds:
                 try:
-                    select.select([h.fileno() for h in running], [], [], timeout)
+                    if wake in select.select(fds, [], [], timeout)[0]:
+                        next_poll = time.monotonic()
                 except InterruptedError:
                     pass
             else:

@@ -290,6 +290,15 @@ class RendezvousHandler(abc.ABC):
     def close(self) -> None:
         """Stop background threads and release resources; the last node out removes the job's keys."""
 
+    def wakeup_fileno(self) -> int | None:
+        """A descriptor that turns readable when :meth:`poll` has news before the agent's next interval.
+
+        E.g. this node's liveness link just declared its neighbour dead: the agent polls at once
+        instead of up to ``--monitor-interval`` later.  :meth:`poll` clears it.  None (the
+        default): the agent polls on its interval only.
+        """
+        return None
+
     def describe(self) -> dict:
         """A JSON-able snapshot of the job (round, members, restarts, heartbeat ages) for ``elastrun status``."""
         raise NotImplementedError(f"backend {self.backend_name!r} cannot describe a job")

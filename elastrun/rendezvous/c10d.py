@@ -40,7 +40,7 @@ from elastrun.rendezvous.api import (
 )
 from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth, load_token
 from elastrun.rendezvous.keepalive import Heartbeat, RingWatch
-from elastrun.rendezvous.link import Link, listen_for_watchers
+from elastrun.rendezvous.link import Link, Wakeup, listen_for_watchers
 from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, judge_round_end, member_view
 
 #: ``--rdzv-conf`` keys of the store backends, with defaults (seconds unless noted).
@@ -225,6 +225,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._link_tried = False
         #: Ring successors whose process the liveness link found gone (declared by the heartbeat thread).
         self._link_lost: set[str] = set()
+        self._wakeup = Wakeup()
         self._error: Exception | None = None
         self._lock = threading.Lock()
         self._registered = False
@@ -384,7 +385,8 @@ class StoreRendezvousHandler(RendezvousHandler):
             marker = f"dead:{self._node.node_id}"
         else:
             return
-        self._declare_gone(round_, target, marker, store)
+        if self._declare_gone(round_, target, marker, store):
+            self._wakeup.set()  # this agent's own poll has news now
         with self._lock:
             self._link_lost.discard(target)
         self._watch.retarget(None)
@@ -716,8 +718,12 @@ class StoreRendezvousHandler(RendezvousHandler):
         return result
 
     # ------------------------------------------------------------------ while running
+    def wakeup_fileno(self) -> int | None:
+        return self._wakeup.fileno()
+
     @_store_errors
     def poll(self) -> RoundChange:
+        self._wakeup.clear()
         if self._error is not None:
             raise self.store_lost_error(self._error)
         round_ = self._round
@@ -800,6 +806,7 @@ class StoreRendezvousHandler(RendezvousHandler):
             self._heartbeat.stop()
             self._heartbeat.join(timeout=2.0)
         self._worker_store = None
+        self._wakeup.close()
         try:
             if self._node is not None:
                 self._store.delete_key(self._k("hb", self._node.node_id))

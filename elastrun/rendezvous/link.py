@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import errno
 import hmac
+import os
 import secrets
 import selectors
 import socket
@@ -149,6 +150,7 @@ class Link:
         self.port: int = self._listener.getsockname()[1]
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._sel = selectors.DefaultSelector()
         self._lock = threading.Lock()
         self._wanted: tuple[str, str, int] | None = None
@@ -159,6 +161,12 @@ class Link:
         self._thread.start()
 
     # ------------------------------------------------------------------ called by the handler
+    @property
+    def linked(self) -> str | None:
+        """The peer this link holds an established, answered connection to (None: none now)."""
+        out = self._out
+        return out.peer if out is not None and out.phase == "linked" else None
+
     def watch(self, peer: str | None, addr: str = "", port: int = 0) -> None:
         """Hold a link to ``peer`` at ``addr:port`` (None or port 0: no outgoing link).  Cheap when unchanged."""
         wanted = (peer, addr, port) if peer and port else None
@@ -423,6 +431,38 @@ class Link:
             self._sel.close()
             for sock in (self._listener, self._wake_r, self._wake_w):
                 sock.close()
+
+
+class Wakeup:
+    """A pipe whose read end turns readable on :meth:`set` until :meth:`clear`: wakes a ``select`` loop."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+
+    def fileno(self) -> int:
+        return self._r
+
+    def set(self) -> None:
+        try:
+            os.write(self._w, b"x")
+        except OSError:  # full (already set) or closed
+            pass
+
+    def clear(self) -> None:
+        try:
+            while os.read(self._r, 256):
+                pass
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def listen_for_watchers(node: NodeInfo, auth: Callable[[], Sealer], on_dead: Callable[[str], None],

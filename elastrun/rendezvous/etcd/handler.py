@@ -78,7 +78,7 @@ from elastrun.rendezvous.etcd.client import (
     op_put,
     prefix_end,
 )
-from elastrun.rendezvous.link import Link, listen_for_watchers, ring_successor
+from elastrun.rendezvous.link import Link, Wakeup, listen_for_watchers, ring_successor
 from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, judge_round_end, member_view
 
 #: A waiting node re-reads the state at least this often even without a watch event (safety net).
@@ -132,6 +132,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._link_gone: set[str] = set()
         self._ring_lock = threading.Lock()
         self._causes: dict[str, str] = {}
+        self._wakeup = Wakeup()
         self._poll_seq = 0
         self._waiting: set[str] = set()
         self._done: set[str] = set()
@@ -597,8 +598,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 if found is not None and kv.txn(
                     [cmp_mod(join_key, found.mod_revision), cmp_absent(dead_key)],
                     [op_put(dead_key, self._seal(dead_key, f"link:{me}"), self._job_lease), op_delete(join_key)],
-                ) and found.lease:
-                    kv.revoke(found.lease)
+                ):
+                    self._wakeup.set()  # this agent's own poll has news now
+                    if found.lease:
+                        kv.revoke(found.lease)
             except RendezvousError as exc:  # etcd unreachable: the lease expires on its own
                 self._warn(f"could not declare {node_id} dead in etcd ({exc}); its lease will expire")
         with self._ring_lock:
@@ -618,7 +621,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return causes
 
     # ------------------------------------------------------------------ while running
+    def wakeup_fileno(self) -> int | None:
+        return self._wakeup.fileno()
+
     def poll(self) -> RoundChange:
+        self._wakeup.clear()
         change = RoundChange()
         if self._round is None or self._result is None or self._watch is None or self._closed:
             return change
@@ -759,6 +766,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if self._watch is not None:
             self._watch.stop()
         self._worker_store = None
+        self._wakeup.close()
         if not self._lease:
             return
         try:
