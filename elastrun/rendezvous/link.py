@@ -440,17 +440,22 @@ class Wakeup:
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
+        self._closed = False
 
     def fileno(self) -> int:
         return self._r
 
     def set(self) -> None:
+        if self._closed:
+            return
         try:
             os.write(self._w, b"x")
-        except OSError:  # full (already set) or closed
+        except OSError:  # full: already set
             pass
 
     def clear(self) -> None:
+        if self._closed:
+            return
         try:
             while os.read(self._r, 256):
                 pass
@@ -458,6 +463,9 @@ class Wakeup:
             pass
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         for fd in (self._r, self._w):
             try:
                 os.close(fd)
