@@ -40,7 +40,7 @@ from elastrun.rendezvous.api import (
 )
 from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth, load_token
 from elastrun.rendezvous.keepalive import Heartbeat, RingWatch
-from elastrun.rendezvous.link import Link, Wakeup, listen_for_watchers
+from elastrun.rendezvous.link import Link, Wakeup, listen_for_watchers, ring_successor
 from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, judge_round_end, member_view
 
 #: ``--rdzv-conf`` keys of the store backends, with defaults (seconds unless noted).
@@ -713,8 +713,10 @@ class StoreRendezvousHandler(RendezvousHandler):
             self._result = result
             self._ring = [m.node_id for m in ordered]
             self._seen_signal = self._count(self._r(round_, "signal"))
-        if self._heartbeat is not None:
-            self._heartbeat.wake()  # link to the new ring successor now
+        if self._link is not None:  # link to the new ring successor now (the next beat checks the rest)
+            after = ring_successor(ordered, node.node_id, set())
+            self._link.watch(after.node_id if after else None, after.addr if after else "",
+                             after.link_port if after else 0)
         return result
 
     # ------------------------------------------------------------------ while running
