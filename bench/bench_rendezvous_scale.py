@@ -111,6 +111,9 @@ def light_handler_class():
         shared = _SharedParse()
         beater: _Beater | None = None
 
+        def _start_link(self, node) -> None:
+            node.link_port = 0  # one liveness link per real agent; a simulated node holds none
+
         def _start_heartbeat(self) -> None:
             if self._heartbeat is None:
                 self._beat()

@@ -320,7 +320,7 @@ class LocalAgent:
             self.events.emit("scale_change", old_world_size=self._prev_world, new_world_size=result.world_size)
         self._prev_world = result.world_size
         if result.lost_nodes:
-            self.events.emit("node_lost", round=result.round, lost=result.lost_nodes)
+            self.events.emit("node_lost", round=result.round, lost=result.lost_nodes, causes=result.lost_causes)
         lost = f"; node(s) lost since the last round: {', '.join(result.lost_nodes)}" if result.lost_nodes else ""
         self.console.info(
             f"round {result.round} formed in {result.duration:.2f} s: {result.group_world_size} node(s), "
@@ -516,9 +516,12 @@ class LocalAgent:
                 return self._stop_for_signal(self._pending_signal)
             running = [h for h in self.workers if h.launch.local_rank not in statuses]
             timeout = max(0.0, next_poll - time.monotonic())
-            if running:
+            wake = self.handler.wakeup_fileno()  # readable: the rendezvous has news, poll it now
+            fds = [h.fileno() for h in running] + self.reformer.filenos() + ([] if wake is None else [wake])
+            if fds:
                 try:
-                    select.select([h.fileno() for h in running] + self.reformer.filenos(), [], [], timeout)
+                    if wake in select.select(fds, [], [], timeout)[0]:
+                        next_poll = time.monotonic()
                 except InterruptedError:
                     pass
             else:

@@ -37,7 +37,7 @@ EVENT_KINDS: dict[str, str] = {
     "worker_failure": "round, generation, rank, local_rank, exitcode, signal, message",
     "teardown_fault": "round, rank, local_rank, exitcode (the script's, kept), fault, after (s since it returned)",
     "restart": "round, reason, restarts_used, max_restarts",
-    "node_lost": "round (the first round without them), lost (node ids)",
+    "node_lost": "round (the first round without them), lost (node ids), causes (node id: link, silence or left)",
     "nodes_waiting": "round, count",
     "scale_change": "old_world_size, new_world_size",
     "hang_detected": "round, rank, local_rank, reason",

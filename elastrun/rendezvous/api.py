@@ -75,6 +75,12 @@ class StatusNotSupportedError(RendezvousError):
     """``elastrun status``: the backend has no status reader."""
 
 
+#: Why a node is no longer a member: ``link`` (its agent process is gone: its liveness link closed
+#: and a new connection was refused), ``silence`` (no heartbeat or lease renewal for the timeout:
+#: a partition, a stopped process, a dead host), ``left`` (it left the job: a signal, pre-emption).
+LOST_CAUSES = ("link", "silence", "left")
+
+
 @dataclass
 class NodeInfo:
     """What a node tells the others when it joins a round."""
@@ -89,6 +95,8 @@ class NodeInfo:
     prev_group_rank: int = -1
     #: ``--node-rank`` for the static backend; -1 elsewhere.
     fixed_rank: int = -1
+    #: TCP port on ``addr`` of this agent's liveness link (:mod:`elastrun.rendezvous.link`); 0: none.
+    link_port: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -110,6 +118,8 @@ class Member:
     role: str = "default"
     role_rank_offset: int = 0
     hostname: str = ""
+    #: Port of the node's liveness link on ``addr`` (0: none).
+    link_port: int = 0
 
 
 @dataclass
@@ -135,6 +145,8 @@ class RoundResult:
     duration: float = 0.0
     #: Nodes of the previous round that were declared dead or left (a membership change).
     lost_nodes: list[str] = field(default_factory=list)
+    #: How each lost node was found out (see :data:`LOST_CAUSES`), by node id.
+    lost_causes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -145,6 +157,8 @@ class RoundChange:
     nodes_waiting: int = 0
     #: Members of the current round declared dead (missed heartbeats) or gone.
     lost_nodes: list[str] = field(default_factory=list)
+    #: How each lost node was found out (see :data:`LOST_CAUSES`), by node id.
+    lost_causes: dict[str, str] = field(default_factory=dict)
     #: Another member asked for a new round (its workers failed, or it saw a change first).
     new_round_requested: bool = False
     #: The job was ended; ``JobFailedError.summary``-style text.
@@ -258,6 +272,14 @@ class RendezvousHandler(abc.ABC):
     def close(self) -> None:
         """Stop background threads and release resources; the last node out removes the job's keys."""
 
+    def wakeup_fileno(self) -> int | None:
+        """A descriptor that turns readable when :meth:`poll` has news before the agent's next interval.
+
+        E.g. this node's liveness link just declared its neighbour dead: the agent polls at once
+        instead of up to ``--monitor-interval`` later.  :meth:`poll` clears it.  None (the
+        default): the agent polls on its interval only.
+        """
+        return None
 
 class RendezvousBackend(abc.ABC):
     """A rendezvous backend, as registered under a ``--rdzv-backend`` name (see ``registry``).

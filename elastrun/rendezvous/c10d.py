@@ -42,6 +42,7 @@ from elastrun.rendezvous.api import (
 from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth, load_token
 from elastrun.rendezvous.endpoint import host_worker_store, is_local_host, route_address, split_endpoint
 from elastrun.rendezvous.keepalive import Heartbeat, RingWatch
+from elastrun.rendezvous.link import Link, Wakeup, listen_for_watchers, ring_successor
 from elastrun.rendezvous.rounds import (
     CloseInputs,
     assign_ranks,
@@ -146,6 +147,11 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._heartbeat: Heartbeat | None = None
         self._hb_counter = 0
         self._watch = RingWatch(self.conf["heartbeat_timeout"])
+        self._link: Link | None = None
+        self._link_tried = False
+        #: Ring successors whose process the liveness link found gone (declared by the heartbeat thread).
+        self._link_lost: set[str] = set()
+        self._wakeup = Wakeup()
         self._error: Exception | None = None
         self._lock = threading.Lock()
         self._registered = False
@@ -294,24 +300,66 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._put(self._k("hb", self._node.node_id), f"{self._hb_counter}:{time.time():.3f}", store)
         self._error = None
         with self._lock:
-            round_, ring = self._round, list(self._ring)
-        if round_ is None or len(ring) < 2:
+            round_, ring, result = self._round, list(self._ring), self._result
+            self._link_lost.intersection_update(ring)
+        target = self._ring_target(round_, ring, store)
+        member = next((m for m in result.members if m.node_id == target), None) if result else None
+        if self._link is not None:
+            self._link.watch(target, member.addr if member else "", member.link_port if member else 0)
+        if target is None:
             return
-        me = ring.index(self._node.node_id) if self._node.node_id in ring else -1
-        if me < 0:
+        self._watch.retarget(target)
+        if target in self._link_lost:
+            marker = f"link:{self._node.node_id}"  # its process is gone: no need to wait for the silence
+        elif self._watch.observe(self._read(self._k("hb", target), store)):
+            marker = f"dead:{self._node.node_id}"
+        else:
             return
-        # Watch the first successor not already known dead.
+        if self._declare_gone(round_, target, marker, store):
+            self._wakeup.set()  # this agent's own poll has news now
+        with self._lock:
+            self._link_lost.discard(target)
+        self._watch.retarget(None)
+        if self._heartbeat is not None:
+            self._heartbeat.wake()  # watch the next successor now: it may be gone too
+
+    def _ring_target(self, round_: int | None, ring: list[str], store) -> str | None:
+        """The first successor of this node in the ring of ``round_`` not already known dead."""
+        assert self._node is not None
+        if round_ is None or len(ring) < 2 or self._node.node_id not in ring:
+            return None
+        me = ring.index(self._node.node_id)
         for step in range(1, len(ring)):
             target = ring[(me + step) % len(ring)]
             if self._read(self._r(round_, "dead", target), store) is None:
-                break
+                return target
+        return None
+
+    def _start_link(self, node: NodeInfo) -> None:
+        """Listen for this node's watcher before its info (which carries the port) is published."""
+        if self._link is None and not self._link_tried:
+            self._link_tried = True
+            self._link = listen_for_watchers(node, lambda: self._auth, self._on_link_dead, self.warn)
+        node.link_port = self._link.port if self._link is not None else 0
+
+    def _on_link_dead(self, node_id: str) -> None:
+        """Called by the link's thread: the watched successor's process is gone; declare it now."""
+        with self._lock:
+            self._link_lost.add(node_id)
+        if self._heartbeat is not None:
+            self._heartbeat.wake()
+
+    def _lost_causes(self, round_: int, nodes: list[str]) -> dict[str, str]:
+        """How each of ``nodes`` was declared gone from ``round_``, from its authentic ``dead/`` marker."""
+        keys = [self._r(round_, "dead", n) for n in nodes]
+        if not keys:
+            return {}
+        if self._store.check(keys):
+            marks = [self._auth.open(k, raw) for k, raw in zip(keys, self._store.multi_get(keys), strict=True)]
         else:
-            return
-        self._watch.retarget(target)
-        key = self._k("hb", target)
-        if self._watch.observe(self._read(key, store)):
-            self._declare_gone(round_, target, f"dead:{self._node.node_id}", store)
-            self._watch.retarget(None)
+            marks = [self._read(k) for k in keys]
+        causes = {"link": "link", "left": "left", "dead": "silence"}
+        return {n: causes.get(m.partition(":")[0], "silence") for n, m in zip(nodes, marks, strict=True) if m}
 
     def _declare_gone(self, round_: int, node_id: str, marker: str, store=None) -> bool:
         """Mark ``node_id`` as gone from ``round_`` (once) and wake the round's members."""
@@ -334,6 +382,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         started = time.monotonic()
         deadline = started + self.join_timeout
         self._node = node
+        self._start_link(node)
         if not self._registered:
             self._store.add(self._k("agents"), 1)
             self._registered = True
@@ -528,9 +577,11 @@ class StoreRendezvousHandler(RendezvousHandler):
                 used = int(self._store.add(self._k("restarts_used"), verdict.restarts_used - used))
             self._put(streak_key, str(verdict.no_progress_streak))
             abort, abort_code = verdict.abort, verdict.abort_code
+        causes = self._lost_causes(round_ - 1, lost)
         generation = int(self._store.add(self._k("generation"), 1)) - 1
         restarts_used = min(used, self.params.max_restarts) if abort is None else used
-        doc = result_document(members, generation, restarts_used, self.params.max_restarts, abort, abort_code, lost)
+        doc = result_document(members, generation, restarts_used, self.params.max_restarts, abort, abort_code, lost,
+                              lost_causes=causes)
         self._put(self._r(round_, "result"), json.dumps(doc))
         if abort is not None:
             self._put(self._k("abort_code"), str(abort_code))
@@ -583,11 +634,19 @@ class StoreRendezvousHandler(RendezvousHandler):
             self._result = result
             self._ring = [m.node_id for m in ordered]
             self._seen_signal = self._count(self._r(round_, "signal"))
+        if self._link is not None:  # link to the new ring successor now (the next beat checks the rest)
+            after = ring_successor(ordered, node.node_id, set())
+            self._link.watch(after.node_id if after else None, after.addr if after else "",
+                             after.link_port if after else 0)
         return result
 
     # ------------------------------------------------------------------ while running
+    def wakeup_fileno(self) -> int | None:
+        return self._wakeup.fileno()
+
     @_store_errors
     def poll(self) -> RoundChange:
+        self._wakeup.clear()
         if self._error is not None:
             raise self.store_lost_error(self._error)
         round_ = self._round
@@ -607,6 +666,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         if self._count(self._r(round_, "gone")):
             lines = self._lines(self._r(round_, "gone_list"))
             change.lost_nodes = [n for n in dict.fromkeys(lines) if n in ring]
+            change.lost_causes = self._lost_causes(round_, change.lost_nodes)
         rejoined = self._count(self._r(round_ + 1, "rejoined"))
         joined = self._count(self._r(round_ + 1, "joined"))
         waiting = joined - rejoined
@@ -663,10 +723,13 @@ class StoreRendezvousHandler(RendezvousHandler):
         if self._closed:
             return
         self._closed = True
+        if self._link is not None:
+            self._link.close()  # "bye" to this node's watcher: leaving is not dying
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat.join(timeout=2.0)
         self._worker_store = None
+        self._wakeup.close()
         try:
             if self._node is not None:
                 self._store.delete_key(self._k("hb", self._node.node_id))

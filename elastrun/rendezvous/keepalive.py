@@ -5,7 +5,10 @@ counter and its wall-clock time.  Each member of a closed round watches only its
 group-rank order (a ring), so the cost per agent is constant whatever the job size.  A watcher
 that sees its successor's counter unchanged for ``heartbeat_timeout`` seconds (measured on its
 own monotonic clock, so clocks need not agree) declares it dead in the store and moves on to the
-next successor; if two neighbours die, the one before them still notices both.
+next successor; if two neighbours die, the one before them still notices both.  A watcher also
+holds a liveness link to the same successor (:mod:`elastrun.rendezvous.link`): when the
+successor's process dies, the link says so within milliseconds and the watcher declares it at
+once, through the same path, instead of waiting for the silence.
 """
 
 from __future__ import annotations
@@ -64,17 +67,24 @@ class Heartbeat(threading.Thread):
         self._beat = beat
         self._on_error = on_error
         self._stop_event = threading.Event()
+        self._wake_event = threading.Event()
 
     def run(self) -> None:
         failures = 0
         while not self._stop_event.is_set():
+            self._wake_event.clear()
             try:
                 self._beat()
                 failures = 0
             except Exception as exc:  # store lost or timed out: tell the owner, keep trying
                 failures += 1
                 self._on_error(exc)
-            self._stop_event.wait(self.interval if failures == 0 else min(2.0, self.interval * 2))
+            self._wake_event.wait(self.interval if failures == 0 else min(2.0, self.interval * 2))
+
+    def wake(self) -> None:
+        """Beat now rather than at the next interval (e.g. a liveness link saw its peer die)."""
+        self._wake_event.set()
 
     def stop(self) -> None:
         self._stop_event.set()
+        self._wake_event.set()

@@ -88,6 +88,7 @@ def assign_ranks(nodes: list[NodeInfo]) -> list[Member]:
                 role=node.role,
                 role_rank_offset=role_offsets.get(node.role, 0),
                 hostname=node.hostname,
+                link_port=node.link_port,
             )
         )
         offset += node.nproc
@@ -114,6 +115,7 @@ def member_view(round_: int, doc: dict, members: list[Member], me: Member, store
         restarts_used=min(int(doc["restarts_used"]), int(doc["max_restarts"])),
         max_restarts=int(doc["max_restarts"]),
         lost_nodes=list(doc.get("lost", [])),
+        lost_causes=dict(doc.get("lost_causes", {})),
     )
 
 

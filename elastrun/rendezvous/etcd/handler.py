@@ -14,7 +14,10 @@ Keys (``P`` = ``/elastrun/<run_id>/``, ``Q`` = ``P/e/<incarnation>/``)::
     Q/r<R>/fail/<node>      FailureRecord of a node whose workers failed in round R
     Q/r<R>/done/<node>      the node's workers finished (exit barrier)
     Q/r<R>/left/<node>      the node left for good (reason)
-    Q/r<R>/lost/<node>      the node's join key vanished (written by its ring predecessor)
+    Q/r<R>/lost/<node>      the node is gone, written by its ring predecessor: ``dead:<watcher>`` (its
+                            join key vanished: lease expired) or ``link:<watcher>`` (its process was
+                            found gone by the liveness link; written in one transaction with the
+                            deletion of its join key, then the watcher revokes its lease)
     Q/r<R>/next/member|new  a member of R (or a newcomer) joined the round after R: wakes R's members
     Q/abort, Q/finished     the job ended
 
@@ -38,6 +41,7 @@ import dataclasses
 import json
 import os
 import socket
+import threading
 import time
 import uuid
 from typing import Any
@@ -77,6 +81,7 @@ from elastrun.rendezvous.etcd.client import (
     op_put,
     prefix_end,
 )
+from elastrun.rendezvous.link import Link, Wakeup, listen_for_watchers, ring_successor
 from elastrun.rendezvous.rounds import (
     CloseInputs,
     assign_ranks,
@@ -133,6 +138,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._round: int | None = None
         self._result: RoundResult | None = None
         self._members: set[str] = set()
+        #: Liveness link (:mod:`elastrun.rendezvous.link`): this round's members by group rank, the
+        #: ones the link found gone, and why each lost member went (its ``lost/`` or ``left/`` marker).
+        self._link: Link | None = None
+        self._link_tried = False
+        self._link_kv: EtcdClient | None = None
+        self._ring_members: list[Member] = []
+        self._link_gone: set[str] = set()
+        self._ring_lock = threading.Lock()
+        self._causes: dict[str, str] = {}
+        self._wakeup = Wakeup()
         self._poll_seq = 0
         self._ring: list[str] = []
         self._ring_pending: str | None = None
@@ -301,6 +316,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         started = time.monotonic()
         deadline = started + self.join_timeout
         self._node = node
+        if self._link is None and not self._link_tried:
+            self._link_tried = True
+            self._link = listen_for_watchers(node, lambda: self._auth, self._on_link_dead, self.warn)
+        node.link_port = self._link.port if self._link is not None else 0
         if self._result is not None:
             node.prev_group_rank = self._result.group_rank
         while True:
@@ -493,6 +512,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
             kvs = self._authentic(kvs)
             still = {kv.key[len(old) + 5:] for kv in kvs if kv.key.startswith(old + "join/")}
             done = {kv.key[len(old) + 5:] for kv in kvs if kv.key.startswith(old + "done/")}
+            marked, _ = self._retry(lambda: self._kv.range(old + "l", prefix_end(old + "l")), deadline, "read")
+            marks = self._causes_of(self._authentic(marked), old)
             ids = {kv.key[len(join_prefix):] for kv in joiners}
             for m in prev_members:
                 if m not in still:
@@ -511,6 +532,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if size is None:
             return False
         members = assign_ranks([NodeInfo.from_json(kv.value) for kv in joiners[:size]])
+        causes = {n: marks.get(n, "silence") for n in lost} if prev_doc is not None else {}
         generation, used, abort, abort_code, streak = 0, 0, None, 1, 0
         if prev_doc is not None:
             generation = int(prev_doc["generation"]) + 1
@@ -523,7 +545,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
             used, streak = verdict.restarts_used, verdict.no_progress_streak
             abort, abort_code = verdict.abort, verdict.abort_code
         doc = json.dumps(result_document(members, generation, used, self.params.max_restarts, abort, abort_code,
-                                         lost, no_progress_streak=streak))
+                                         lost, no_progress_streak=streak,
+                                         lost_causes=causes))
         def put(key: str, value: str) -> dict[str, Any]:
             return op_put(key, self._seal(key, value), self._job_lease)
 
@@ -575,6 +598,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._reported = set()
         self._ring_pending = self._node.node_id
         self._ring_target = None
+        self._causes = {}
+        with self._ring_lock:
+            self._ring_members = sorted(members, key=lambda m: m.group_rank)
+            self._link_gone = set()
+        self._relink()
         return result
 
     # ------------------------------------------------------------------ the ring
@@ -611,7 +639,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return declared
 
     def _declare_lost(self, node_id: str) -> bool:
-        """``node_id``'s join key is gone: write ``lost/`` unless it finished or moved to the next round."""
+        """``node_id``'s join key is gone: write ``lost/`` unless it finished or moved to the next round.
+
+        Put only if absent: the liveness link may have written it first (``link:``), and its cause stays.
+        """
         assert self._round is not None and self._node is not None
         round_ = self._round
         if self._open(self._kv.get(self._r(round_, "done", node_id))) is not None:
@@ -619,11 +650,69 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if self._kv.range(self._r(round_ + 1, "join", node_id), keys_only=True)[0]:
             return False
         key = self._r(round_, "lost", node_id)
-        self._kv.put(key, self._seal(key, f"dead:{self._node.node_id}"), self._job_lease)
+        self._kv.txn([cmp_absent(key)], [op_put(key, self._seal(key, f"dead:{self._node.node_id}"), self._job_lease)])
         return True
 
+    # ------------------------------------------------------------------ liveness link
+    def _relink(self) -> None:
+        """Hold the liveness link to the first ring successor not known gone."""
+        if self._link is None or self._node is None:
+            return
+        with self._ring_lock:
+            target = ring_successor(self._ring_members, self._node.node_id, self._link_gone)
+        if target is None:
+            self._link.watch(None)
+        else:
+            self._link.watch(target.node_id, target.addr, target.link_port)
+
+    def _on_link_dead(self, node_id: str) -> None:
+        """Called by the link's thread: the ring successor's process is gone.  Declare it now, once.
+
+        One transaction writes ``r<R>/lost/<node>`` = ``link:<me>`` and deletes the node's join key,
+        guarded by the join key's revision and the marker's absence, so only one writer wins (and
+        nothing is done if its lease already expired or it left); the winner then revokes the dead
+        agent's lease so its other keys go too.  Every member watches ``lost/``.
+        """
+        round_, me = self._round, self._node.node_id if self._node else ""
+        if round_ is not None and not self._closed:
+            if self._link_kv is None:
+                self._link_kv = EtcdClient(self.settings, self._shared)
+            kv = self._link_kv
+            join_key, dead_key = self._r(round_, "join", node_id), self._r(round_, "lost", node_id)
+            try:
+                found = kv.get(join_key)
+                if found is not None and kv.txn(
+                    [cmp_mod(join_key, found.mod_revision), cmp_absent(dead_key)],
+                    [op_put(dead_key, self._seal(dead_key, f"link:{me}"), self._job_lease), op_delete(join_key)],
+                ):
+                    self._causes[node_id] = "link"
+                    self._wakeup.set()  # this agent's own poll has news now
+                    if found.lease:
+                        kv.revoke(found.lease)
+            except RendezvousError as exc:  # etcd unreachable: the lease expires on its own
+                self._warn(f"could not declare {node_id} dead in etcd ({exc}); its lease will expire")
+        with self._ring_lock:
+            self._link_gone.add(node_id)
+        self._relink()  # the next successor may be gone too
+
+    def _causes_of(self, kvs: list[KV], base: str) -> dict[str, str]:
+        """Why each node marked under ``base`` (= ``r<R>/``) by ``lost/`` or ``left/`` (authentic KVs) went."""
+        causes: dict[str, str] = {}
+        for kv in kvs:
+            kind, _, node = kv.key[len(base):].partition("/")
+            if kind == "left" and node:
+                causes[node] = "left"
+            elif kind == "lost" and node:
+                causes[node] = "link" if (self._open(kv) or "").startswith("link:") else "silence"
+        return causes
+
+
     # ------------------------------------------------------------------ while running
+    def wakeup_fileno(self) -> int | None:
+        return self._wakeup.fileno()
+
     def poll(self) -> RoundChange:
+        self._wakeup.clear()
         change = RoundChange()
         if self._round is None or self._result is None or self._watch is None or self._closed:
             return change
@@ -659,6 +748,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 lost += self._watch_successor_after_loss()
             elif ev.kind == "PUT" and ev.key.startswith(marks):
                 node = ev.key.rsplit("/", 1)[1]
+                value = self._auth.open(ev.key, ev.value) or ""
+                self._causes[node] = ("left" if ev.key.startswith(marks[1])
+                                      else "link" if value.startswith("link:") else "silence")
                 if node == me and ev.key.startswith(marks[0]):
                     change.new_round_requested = True  # our join key vanished: our membership is gone
                 lost.append(node)
@@ -673,6 +765,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         change.lost_nodes = [n for n in dict.fromkeys(lost) if n in self._members and n != me
                              and n not in self._reported]
         self._reported.update(change.lost_nodes)
+        change.lost_causes = {n: self._causes.get(n, "silence") for n in change.lost_nodes}
         return change
 
     def _watch_successor_after_loss(self) -> list[str]:
@@ -714,10 +807,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
             next_prefix = self._r(self._round + 1, "join/")
             nexts, _ = self._kv.range(next_prefix, prefix_end(next_prefix), keys_only=not self._auth.enabled)
             joined = {kv.key[len(next_prefix):] for kv in self._authentic(nexts)}
+            base = self._r(self._round, "")
+            marked, _ = self._kv.range(base + "l", prefix_end(base + "l"))  # left/ and lost/
+            self._causes.update(self._causes_of(self._authentic(marked), base))
         except (EtcdUnavailable, LeaseNotFound):
             return change
         self._watch.gap = False
         change.lost_nodes = sorted(self._members - alive - done - joined)
+        change.lost_causes = {n: self._causes.get(n, "silence") for n in change.lost_nodes}
         change.new_round_requested = bool(joined & self._members)
         waiting = joined - self._members
         if waiting and self._result is not None and self._result.group_world_size < self.max_nodes:
@@ -777,11 +874,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if self._closed:
             return
         self._closed = True
+        if self._link is not None:
+            self._link.close()  # "bye" to this node's watcher: leaving is not dying
         if self._keeper is not None:
             self._keeper.stop()
         if self._watch is not None:
             self._watch.stop()
         self._worker_store = None
+        self._wakeup.close()
         if not self._lease:
             return
         try:
