@@ -633,7 +633,10 @@ class StoreRendezvousHandler(RendezvousHandler):
             self._round = round_
             self._result = result
             self._ring = [m.node_id for m in ordered]
-            self._seen_signal = self._count(self._r(round_, "signal"))
+            # -1, not the signal count now: a node that joined the next round (or a member that
+            # already rejoined it) before this node read the result signalled before it looked;
+            # the first poll must look at the counters whatever the signal says.
+            self._seen_signal = -1
         if self._link is not None:  # link to the new ring successor now (the next beat checks the rest)
             after = ring_successor(ordered, node.node_id, set())
             self._link.watch(after.node_id if after else None, after.addr if after else "",
