@@ -75,7 +75,11 @@ def test_worker_crashes_survivor_keeps_process_bit_for_bit(work, procs):
     assert got[(1, 1)]["pid"] != got[(0, 1)]["pid"] and got[(1, 1)]["source"] == "memory", got
     assert got[(2, 1)]["pid"] == got[(1, 1)]["pid"], got  # rank 1 survived the second crash
     assert got[(2, 0)]["pid"] != got[(1, 0)]["pid"], got
-    assert {got[(2, r)]["step"] for r in (0, 1)} == {8}, got  # "before": step 9 never committed
+    # "before": step 9 never committed.  Step 8 is restored unless rank 0 (the node's snapshot writer)
+    # died before step 8's snapshot was published (its background copy finishes by the next optimizer
+    # step; its record can land just after): then 7, redone exactly.  Either way both ranks agree.
+    steps = {got[(2, r)]["step"] for r in (0, 1)}
+    assert steps in ({8}, {7}), got
     reforms = events(work / "run.log", "reform")
     assert [r["kept"] for r in reforms] == [[0], [1]], reforms
     assert final(out) == expected, "parameters differ from the uninterrupted run"
