@@ -185,6 +185,10 @@ class FailureRecord:
     message: str = ""
     #: Whether the failed attempt made progress on this node (heartbeats, or a long enough run).
     progress: bool = True
+    #: Set by the handler when, before this failure was recorded, a member of the round had already
+    #: stopped its workers for a joining node: the failure may be that stop's consequence (a peer's
+    #: connection closed under it), so it is reported but not charged to the restart budget.
+    after_growth: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))

@@ -682,12 +682,16 @@ class StoreRendezvousHandler(RendezvousHandler):
         change.new_round_requested = rejoined > 0
         if waiting > 0 and below_max:
             change.nodes_waiting = waiting
+            # The agent stops its workers for the joiner after this returns; a peer's worker that
+            # fails from that stop is recorded after this mark and is not charged (report_failure).
+            self._put(self._r(round_, "grown"), self._node.node_id if self._node else "?")
         return change
 
     @_store_errors
     def report_failure(self, failure: FailureRecord) -> None:
         if self._round is None:
             return
+        failure.after_growth = self._read(self._r(self._round, "grown")) is not None
         self._put(self._r(self._round, "fail", failure.node_id), failure.to_json())
         self._append(self._r(self._round, "fail_list"), failure.node_id)
 

@@ -147,7 +147,8 @@ def is_charged(failures: int, nodes_gone: int) -> bool:
 
     A round that ended with worker failures and no lost or departed node is charged once, however
     many ranks failed.  A round in which a node was lost or left is a membership change: the
-    failures of the survivors' workers are its consequence, so nothing is charged.
+    failures of the survivors' workers are its consequence, so nothing is charged.  The caller
+    leaves out failures recorded after a member stopped for a joining node (``after_growth``).
     """
     return failures > 0 and nodes_gone == 0
 
@@ -196,7 +197,7 @@ def judge_round_end(
     """
     from elastrun.config import EXIT_NO_REQUEUE
 
-    charged = is_charged(len(failures), nodes_gone)
+    charged = is_charged(sum(1 for f in failures if not f.after_growth), nodes_gone)
     used = restarts_used + (1 if charged else 0)
     streak = next_no_progress_streak(streak, failures, charged)
     verdict = Verdict(restarts_used=used, no_progress_streak=streak)

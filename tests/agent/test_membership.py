@@ -3,6 +3,7 @@
 import signal
 import time
 
+from tests.agent.jobs import start_pair, steps_env
 from tests.harness import alive, base_env, free_port, listening, read_steps, wait_until
 
 
@@ -80,3 +81,37 @@ def test_lose_second_node_of_two(agents, tmp_path):
     wait_until(lambda: any(s.world == 1 and s.t > killed_at for s in read_steps(steps_dir)), 60,
                what="survivor stepping alone")
     assert a0.proc.poll() is None, a0.output()
+
+
+def test_peer_failing_from_a_stop_for_a_joiner_is_not_charged(agents, job, tmp_path):
+    """Nodes 0 and 1 train; node 2 joins.  Node 0 sees the joiner first and stops its worker, which
+    fails node 1's worker in its collective before node 1's agent has polled (it is SIGSTOPped here,
+    which makes the race certain).  That failure is a consequence of the growth: with
+    ``--max-restarts=0`` the job goes on at three nodes instead of failing."""
+    job.nnodes, job.run_id = "1:3", "grow-race"
+    env = steps_env(tmp_path)
+    steps_dir = tmp_path / "steps"
+    patient = ("--rdzv-conf=heartbeat_timeout=30",)  # node 1 is stopped for a few seconds, not lost
+    a0, a1, logs = start_pair(agents, job, tmp_path, env, both=patient)
+    try:
+        wait_until(lambda: {s.rank for s in read_steps(steps_dir) if s.world == 2} == {0, 1}, 90,
+                   what="both nodes stepping in one group")
+        a1.kill(signal.SIGSTOP)
+        a2 = agents.start(job.flags(tmp_path / "logs2", *patient), env=env, name="agent2")
+        wait_until(lambda: "waiting to join" in a0.output(), 60, what="node 0 to see the joiner")
+
+        def rank1_stopped() -> bool:  # its worker failed (or at least stopped stepping) for 1 s
+            last = max((s.t for s in read_steps(steps_dir) if s.rank == 1 and s.world == 2), default=0.0)
+            return time.time() - last > 1.0
+
+        wait_until(rank1_stopped, 30, what="node 1's worker to stop stepping")
+        a1.kill(signal.SIGCONT)
+        wait_until(lambda: {s.rank for s in read_steps(steps_dir) if s.world == 3} == {0, 1, 2}
+                   or any(a.proc.poll() is not None for a in (a0, a1, a2)), 90, what="three nodes stepping")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{agents.outputs()}") from None
+    finally:
+        a1.kill(signal.SIGCONT)
+    assert all(a.proc.poll() is None for a in (a0, a1, a2)), agents.outputs()
+    assert "failed (exit code 1)" in a1.output(), agents.outputs()  # the race did happen
+    assert "restarts used 0/0" in a0.output().split("round 2")[-1], agents.outputs()

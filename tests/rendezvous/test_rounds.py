@@ -105,3 +105,13 @@ def test_verdict_stops_a_crash_loop_before_the_budget():
     assert second.abort_code == EXIT_NO_REQUEUE and "crash loop" in second.abort
     progress = judge_round_end("job", [_failure(True)], 0, 1, 1, max_restarts=10, crash_loop_limit=2)
     assert progress.no_progress_streak == 0 and progress.abort is None
+
+
+def test_a_failure_recorded_after_a_stop_for_a_joiner_is_not_charged():
+    from elastrun.rendezvous.rounds import judge_round_end
+
+    consequence = FailureRecord("n", "h", 1, 1, 1, None, 1.0, "Connection closed by peer", after_growth=True)
+    grown = judge_round_end("job", [consequence], 0, 0, 0, max_restarts=0, crash_loop_limit=3)
+    assert (grown.restarts_used, grown.abort, grown.no_progress_streak) == (0, None, 0)
+    both = judge_round_end("job", [consequence, _failure(True, 0.5)], 0, 0, 0, max_restarts=0, crash_loop_limit=3)
+    assert both.restarts_used == 1 and "restart budget (--max-restarts=0) is spent" in both.abort

@@ -731,7 +731,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._poll_seq = self._watch.seq
         round_, me = self._round, self._node.node_id if self._node else ""
         if events is None:
-            return self._resync()
+            return self._mark_growth(self._resync())
         lost: list[str] = []
         if self._ring_pending is not None:
             lost += self._watch_successor()
@@ -766,6 +766,17 @@ class EtcdRendezvousHandler(RendezvousHandler):
                              and n not in self._reported]
         self._reported.update(change.lost_nodes)
         change.lost_causes = {n: self._causes.get(n, "silence") for n in change.lost_nodes}
+        return self._mark_growth(change)
+
+    def _mark_growth(self, change: RoundChange) -> RoundChange:
+        """Before the agent stops its workers for a joiner, mark the round ``grown``: a peer's worker
+        that fails from that stop is recorded after the mark and is not charged (report_failure)."""
+        if change.nodes_waiting and self._round is not None:
+            key = self._r(self._round, "grown")
+            try:
+                self._kv.put(key, self._seal(key, self._node.node_id if self._node else "?"), self._job_lease)
+            except (EtcdUnavailable, LeaseNotFound):
+                pass  # best effort: without the mark such a failure is charged, as it was before
         return change
 
     def _watch_successor_after_loss(self) -> list[str]:
@@ -827,6 +838,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def report_failure(self, failure: FailureRecord) -> None:
         if self._round is None:
             return
+        grown = self._r(self._round, "grown")
+        try:
+            failure.after_growth = self._open(self._kv.get(grown)) is not None
+        except (EtcdUnavailable, LeaseNotFound):
+            pass
         key = self._r(self._round, "fail", failure.node_id)
         value = self._seal(key, failure.to_json())
         self._write_soon(lambda: self._kv.put(key, value, self._job_lease), "record the failure")
