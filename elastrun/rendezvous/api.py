@@ -312,3 +312,24 @@ class RendezvousBackend(abc.ABC):
         :class:`StatusNotSupportedError`.
         """
         raise StatusNotSupportedError(f"the {params.backend!r} rendezvous backend does not support 'elastrun status'")
+
+
+@dataclass(frozen=True)
+class FunctionBackend(RendezvousBackend):
+    """A backend made of three functions, as each built-in one is::
+
+        BACKEND = FunctionBackend(validate_params, create_handler, read_job_status)
+    """
+
+    check: Callable[[RendezvousParameters], None]
+    factory: Callable[[RendezvousParameters], RendezvousHandler]
+    status: Callable[[RendezvousParameters, float], dict[str, Any]]
+
+    def validate(self, params: RendezvousParameters) -> None:
+        self.check(params)
+
+    def create_handler(self, params: RendezvousParameters) -> RendezvousHandler:
+        return self.factory(params)
+
+    def read_status(self, params: RendezvousParameters, timeout: float) -> dict[str, Any]:
+        return self.status(params, timeout)

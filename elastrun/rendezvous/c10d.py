@@ -26,11 +26,11 @@ from typing import Any
 from elastrun.rendezvous import conf
 from elastrun.rendezvous.api import (
     FailureRecord,
+    FunctionBackend,
     JobFailedError,
     JobFinishedError,
     Member,
     NodeInfo,
-    RendezvousBackend,
     RendezvousConfigError,
     RendezvousConnectionError,
     RendezvousHandler,
@@ -845,17 +845,5 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     return StoreRendezvousHandler(params, host, port, is_host)
 
 
-class StoreBackend(RendezvousBackend):
-    """``--rdzv-backend=c10d``: checks, handler and status reader (:mod:`elastrun.rendezvous.store_status`)."""
-
-    def validate(self, params: RendezvousParameters) -> None:
-        validate_params(params)
-
-    def create_handler(self, params: RendezvousParameters) -> RendezvousHandler:
-        return create_handler(params)
-
-    def read_status(self, params: RendezvousParameters, timeout: float) -> dict[str, Any]:
-        return read_job_status(params, timeout)
-
-
-BACKEND = StoreBackend()
+#: ``--rdzv-backend=c10d``: checks, handler and status reader (:mod:`elastrun.rendezvous.store_status`).
+BACKEND = FunctionBackend(validate_params, create_handler, read_job_status)

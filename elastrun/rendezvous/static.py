@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 
 from elastrun.config import DEFAULT_MASTER_PORT
-from elastrun.rendezvous.api import RendezvousConfigError, RendezvousHandler, RendezvousParameters
-from elastrun.rendezvous.c10d import StoreBackend, StoreRendezvousHandler, parse_config
+from elastrun.rendezvous.api import FunctionBackend, RendezvousConfigError, RendezvousHandler, RendezvousParameters
+from elastrun.rendezvous.c10d import StoreRendezvousHandler, parse_config
+from elastrun.rendezvous.store_status import read_job_status
 
 
 class StaticRendezvousHandler(StoreRendezvousHandler):
@@ -45,14 +46,5 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     return StaticRendezvousHandler(params, params.master_addr, port, is_host=params.node_rank == 0)
 
 
-class StaticBackend(StoreBackend):
-    """``--rdzv-backend=static``: c10d's rounds and status reader, with fixed ranks and node count."""
-
-    def validate(self, params: RendezvousParameters) -> None:
-        validate_params(params)
-
-    def create_handler(self, params: RendezvousParameters) -> RendezvousHandler:
-        return create_handler(params)
-
-
-BACKEND = StaticBackend()
+#: ``--rdzv-backend=static``: c10d's rounds and status reader, with fixed ranks and node count.
+BACKEND = FunctionBackend(validate_params, create_handler, read_job_status)

@@ -8,9 +8,7 @@ written.
 
 from __future__ import annotations
 
-from typing import Any
-
-from elastrun.rendezvous.api import RendezvousBackend, RendezvousHandler, RendezvousParameters
+from elastrun.rendezvous.api import FunctionBackend, RendezvousHandler, RendezvousParameters
 from elastrun.rendezvous.etcd.handler import EtcdRendezvousHandler
 from elastrun.rendezvous.etcd.settings import (
     CONFIG_ALIASES,
@@ -29,22 +27,10 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     return EtcdRendezvousHandler(params, parse_endpoints(params.endpoint), parse_config(params))
 
 
-class EtcdBackend(RendezvousBackend):
-    """``--rdzv-backend=etcd`` and ``etcd-v3``: settings, handler and status reader of this package."""
-
-    def validate(self, params: RendezvousParameters) -> None:
-        validate_params(params)
-
-    def create_handler(self, params: RendezvousParameters) -> RendezvousHandler:
-        return create_handler(params)
-
-    def read_status(self, params: RendezvousParameters, timeout: float) -> dict[str, Any]:
-        return read_job_status(params, timeout)
-
-
-BACKEND = EtcdBackend()
+#: ``--rdzv-backend=etcd`` and ``etcd-v3``: settings, handler and status reader of this package.
+BACKEND = FunctionBackend(validate_params, create_handler, read_job_status)
 
 __all__ = [
-    "BACKEND", "CONFIG_ALIASES", "CONFIG_KEYS", "DEFAULT_PORT", "EtcdBackend", "create_handler", "parse_config",
+    "BACKEND", "CONFIG_ALIASES", "CONFIG_KEYS", "DEFAULT_PORT", "create_handler", "parse_config",
     "parse_endpoints", "read_job_status", "require_client", "validate_params",
 ]
