@@ -101,6 +101,24 @@ def sweep_stale_runtime_dirs(base: Path, pattern: str = "elastrun-*") -> None:
             pass
 
 
+def _link_kept_logs(old: WorkerLaunch, new: WorkerLaunch) -> None:
+    """Make a kept worker's log files visible in the new attempt's directory as well.
+
+    Its process keeps writing where it started (its streams stay open), so the new attempt's
+    ``rank_<r>/stdout.log`` and ``stderr.log`` become relative symlinks to those files: every
+    attempt's directory lists every rank, as after a restart.
+    """
+    for was, now in ((old.stdout_path, new.stdout_path), (old.stderr_path, new.stderr_path)):
+        if was is None or now is None or was == now:
+            continue
+        try:
+            now.parent.mkdir(parents=True, exist_ok=True)
+            now.unlink(missing_ok=True)
+            now.symlink_to(os.path.relpath(was, now.parent))
+        except OSError:
+            pass  # a log directory that cannot take a link: the worker's output is still in the old file
+
+
 def make_node_id() -> str:
     """A readable id, unique per agent process: ``host-pid-xxxx``."""
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
@@ -432,6 +450,7 @@ class LocalAgent:
         if not self.reformer.assign(handle, env, result.round):
             return False
         handle.launch = new
+        _link_kept_logs(old, launch)
         streams = getattr(handle, "streams", None)
         if streams is not None:
             streams.out.set_prefix(new.console_prefix)

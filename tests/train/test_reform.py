@@ -92,12 +92,17 @@ def test_spawned_workers_reform_too(work, procs):
     expected = clean_run(work, procs, [])
     out = work / "out"
     out.mkdir()
-    flags = ("--max-restarts=1", "--start-method=spawn")
+    flags = ("--max-restarts=1", "--start-method=spawn", f"--log-dir={work / 'logs'}", "--tee=3")
     rc = procs.run(standalone(out, ["--reform", "--crash=0:0:6:after"], flags=flags), work / "run.log", timeout=180)
     log = (work / "run.log").read_text()
     assert rc == 0, log[-3000:]
     got = restores(out)
     assert got[(1, 1)]["pid"] == got[(0, 1)]["pid"] and got[(1, 1)]["source"] == "live", got
+    # The kept rank still writes to its first attempt's files; the new attempt links to them.
+    [kept_log] = (work / "logs").rglob("attempt_1/rank_1/stderr.log")
+    assert kept_log.is_symlink() and kept_log.resolve() == kept_log.parents[1].parent.joinpath(
+        "attempt_0", "rank_1", "stderr.log").resolve(), kept_log
+    assert not kept_log.parents[1].joinpath("rank_0", "stderr.log").is_symlink()  # the restarted rank's own
     assert got[(1, 0)]["pid"] != got[(0, 0)]["pid"], got
     assert "re-formed in process" in log, log[-3000:]
     assert final(out) == expected
