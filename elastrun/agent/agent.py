@@ -68,8 +68,12 @@ class Outcome(Enum):
     SIGNALED = "signaled"
 
 
-class AgentStopped(Exception):
-    """Raised from the signal handler to leave a blocking rendezvous when the agent must stop."""
+class AgentStopped(BaseException):
+    """Raised from the signal handler to leave a blocking rendezvous when the agent must stop.
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is: a backend's ``except Exception`` (which turns a
+    client error into a lost-rendezvous error) must not catch it, or the agent exits 1, not 128+signal.
+    """
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)

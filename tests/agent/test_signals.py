@@ -5,6 +5,7 @@ import signal
 
 import pytest
 
+from tests.agent.jobs import events, steps_env
 from tests.harness import SCRIPTS, alive, base_env, wait_until
 
 
@@ -44,3 +45,16 @@ def test_sigkilled_agent_leaves_no_orphans(agents, tmp_path):
     assert len(workers) >= 2
     agent.kill(signal.SIGKILL)
     wait_until(lambda: not alive(workers), 10, what="workers to die with their agent")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_during_the_first_rendezvous_exits_with_its_code(agents, job, tmp_path, sig):
+    """A lone agent of a two-node job waits in its first round; a signal ends it with 128+signal
+    (not the exit 1 of a lost rendezvous), having left the round."""
+    job.nnodes = "2"
+    logs = tmp_path / "logs"
+    agent = agents.start(job.flags(logs), env=steps_env(tmp_path), name="agent0")
+    wait_until(lambda: events(logs, "round_start") or agent.proc.poll() is not None, 60, what="the first round")
+    os.kill(agent.pid, sig)
+    assert agent.wait(30) == 128 + sig, agent.output()
+    assert [e["action"] for e in events(logs, "signal")] == ["left during rendezvous"], agent.output()
