@@ -706,6 +706,10 @@ class StoreRendezvousHandler(RendezvousHandler):
         if self._round is None or self._result is None or self._node is None:
             return True
         round_ = self._round
+        # Mark this node out of the round as finished, not lost: its watcher then skips it (to watch
+        # the next successor) once its heartbeats stop, and nobody restarts for it.  Not a loss, so
+        # neither gone_list nor signal.
+        self._claim(self._r(round_, "dead", self._node.node_id), f"done:{self._node.node_id}")
         self._store.add(self._r(round_, "done"), 1)
         if self._auth.enabled:
             self._append(self._r(round_, "done_list"), self._node.node_id)

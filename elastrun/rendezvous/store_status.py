@@ -139,6 +139,8 @@ def _members(r: _Reader, round_: int, members: list[dict], now: float, finished:
             age = round(max(0.0, now - float(beat.split(":", 1)[1])), 3)
         if mark and mark.startswith("left:"):
             state = "left"
+        elif mark and mark.startswith("done:"):
+            state = "finished"
         elif mark:
             state = "lost"
         elif finished:
