@@ -13,6 +13,26 @@ from typing import Any
 WAITING_FIELDS = ("node_id", "hostname", "addr", "nproc", "role", "pid")
 
 
+def node_row(member: dict[str, Any], state: str, heartbeat_age: float | None, lost_by: str | None = None,
+             **extra: Any) -> dict[str, Any]:
+    """One member's entry in ``nodes``: its round-result fields, and what the backend found out
+    about it (``state`` as docs/observe.md lists them; ``extra``: backend-specific fields)."""
+    first = int(member["rank_offset"])
+    return {
+        "node_id": member["node_id"],
+        "hostname": member.get("hostname", ""),
+        "addr": member.get("addr", ""),
+        "role": member.get("role", "default"),
+        "group_rank": member["group_rank"],
+        "nproc": member["nproc"],
+        "ranks": [first, first + int(member["nproc"]) - 1],
+        "state": state,
+        "heartbeat_age": heartbeat_age,
+        "lost_by": lost_by,
+        **extra,
+    }
+
+
 def status_document(
     *,
     run_id: str,

@@ -26,7 +26,7 @@ from typing import Any
 from elastrun.rendezvous.api import JobNotFoundError, RendezvousConnectionError, RendezvousError, RendezvousParameters
 from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth, load_token
 from elastrun.rendezvous.endpoint import split_endpoint
-from elastrun.rendezvous.status_doc import status_document
+from elastrun.rendezvous.status_doc import node_row, status_document
 
 #: A member whose heartbeat is older than this is shown as ``silent`` (the default heartbeat
 #: interval is 0.5 s; agents declare a node lost after ``heartbeat_timeout``, 2.5 s by default).
@@ -149,21 +149,7 @@ def _members(r: _Reader, round_: int, members: list[dict], now: float, finished:
             state = "gone"
         else:
             state = "alive" if age < SILENT_AFTER else "silent"
-        first = int(m["rank_offset"])
-        nodes.append(
-            {
-                "node_id": m["node_id"],
-                "hostname": m.get("hostname", ""),
-                "addr": m.get("addr", ""),
-                "role": m.get("role", "default"),
-                "group_rank": m["group_rank"],
-                "nproc": m["nproc"],
-                "ranks": [first, first + int(m["nproc"]) - 1],
-                "state": state,
-                "heartbeat_age": age,
-                "lost_by": mark.split(":", 1)[1] if mark and ":" in mark else None,
-            }
-        )
+        nodes.append(node_row(m, state, age, mark.split(":", 1)[1] if mark and ":" in mark else None))
     return nodes
 
 

@@ -35,7 +35,7 @@ from elastrun.rendezvous.api import JobNotFoundError, RendezvousConnectionError,
 from elastrun.rendezvous.auth import JobToken, load_token
 from elastrun.rendezvous.etcd.client import EtcdClient, EtcdSettings, EtcdUnavailable, Shared, prefix_end
 from elastrun.rendezvous.etcd.settings import parse_config, parse_endpoints, require_client
-from elastrun.rendezvous.status_doc import status_document
+from elastrun.rendezvous.status_doc import node_row, status_document
 
 #: What the document shows of a node waiting in the open round (from its NodeInfo).
 
@@ -191,23 +191,8 @@ def _members(client: Any, job: dict[str, Any], round_: int, members: list[dict],
         else:
             state = "silent" if ttl[0] * 2 < ttl[1] else "alive"
         live_ttl = ttl is not None and ttl[0] >= 0
-        first = int(m["rank_offset"])
-        nodes.append(
-            {
-                "node_id": node_id,
-                "hostname": m.get("hostname", ""),
-                "addr": m.get("addr", ""),
-                "role": m.get("role", "default"),
-                "group_rank": m["group_rank"],
-                "nproc": m["nproc"],
-                "ranks": [first, first + int(m["nproc"]) - 1],
-                "state": state,
-                "heartbeat_age": float(ttl[1] - ttl[0]) if live_ttl else None,
-                "lost_by": None,
-                "lease_ttl": ttl[1] if live_ttl else None,
-                "lease_ttl_left": ttl[0] if live_ttl else None,
-            }
-        )
+        nodes.append(node_row(m, state, float(ttl[1] - ttl[0]) if live_ttl else None,
+                              lease_ttl=ttl[1] if live_ttl else None, lease_ttl_left=ttl[0] if live_ttl else None))
     return nodes
 
 
