@@ -221,18 +221,10 @@ class EtcdClient:
     def range(self, key: str, end: str | None = None, *, count_only: bool = False, keys_only: bool = False,
               by_create: bool = False, limit: int = 0) -> tuple[list[KV], int]:
         """Keys in ``[key, end)`` (or ``key`` alone): (kvs, count).  ``by_create`` sorts oldest first."""
-        body: dict[str, Any] = {"key": b64(key)}
-        if end is not None:
-            body["range_end"] = b64(end)
-        if count_only:
-            body["count_only"] = True
-        if keys_only:
-            body["keys_only"] = True
-        if by_create:
-            body["sort_order"], body["sort_target"] = 1, 2
-        if limit:
-            body["limit"] = limit
-        reply = self.request("/kv/range", body)
+        body = _range_body(key, end, count_only=count_only, keys_only=keys_only, by_create=by_create, limit=limit)
+        return self._range_reply(self.request("/kv/range", body))
+
+    def _range_reply(self, reply: dict[str, Any]) -> tuple[list[KV], int]:
         kvs = [self._kv(item) for item in reply.get("kvs", [])]
         return kvs, int(reply.get("count", 0))
 
@@ -269,6 +261,22 @@ class EtcdClient:
             failure: list[dict[str, Any]] | None = None) -> bool:
         reply = self.request("/kv/txn", {"compare": compare, "success": success, "failure": failure or []})
         return bool(reply.get("succeeded", False))
+
+    def txn_reads(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+                  failure: list[dict[str, Any]] | None = None) -> tuple[bool, list[tuple[list[KV], int] | None]]:
+        """Like :meth:`txn`, and what each op of the branch taken read: (kvs, count) for an
+        :func:`op_range`, None for a write.  Several reads (and writes) cost one request this way."""
+        reply = self.request("/kv/txn", {"compare": compare, "success": success, "failure": failure or []})
+        reads: list[tuple[list[KV], int] | None] = []
+        for response in reply.get("responses") or []:
+            ranged = response.get("response_range")
+            reads.append(None if ranged is None else self._range_reply(ranged))
+        return bool(reply.get("succeeded", False)), reads
+
+    def read_many(self, ops: list[dict[str, Any]]) -> list[tuple[list[KV], int]]:
+        """The results of several :func:`op_range` reads, consistent with one another, in one request."""
+        _, reads = self.txn_reads([], ops)
+        return [r if r is not None else ([], 0) for r in reads]
 
     # ------------------------------------------------------------------ leases
     def grant(self, ttl: int) -> int:
@@ -321,6 +329,29 @@ def speaks_tls(host: str, port: int, timeout: float = 1.0) -> bool:
 
 
 # ---------------------------------------------------------------------- txn building blocks
+def _range_body(key: str, end: str | None = None, *, count_only: bool = False, keys_only: bool = False,
+                by_create: bool = False, limit: int = 0) -> dict[str, Any]:
+    body: dict[str, Any] = {"key": b64(key)}
+    if end is not None:
+        body["range_end"] = b64(end)
+    if count_only:
+        body["count_only"] = True
+    if keys_only:
+        body["keys_only"] = True
+    if by_create:
+        body["sort_order"], body["sort_target"] = 1, 2
+    if limit:
+        body["limit"] = limit
+    return body
+
+
+def op_range(key: str, end: str | None = None, *, count_only: bool = False, keys_only: bool = False,
+             by_create: bool = False, limit: int = 0) -> dict[str, Any]:
+    """A read inside a transaction (same arguments as :meth:`EtcdClient.range`)."""
+    return {"request_range": _range_body(key, end, count_only=count_only, keys_only=keys_only,
+                                         by_create=by_create, limit=limit)}
+
+
 def cmp_absent(key: str) -> dict[str, Any]:
     return {"key": b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
 
