@@ -20,8 +20,8 @@ what the member itself needed.  The data directory is on tmpfs (``/dev/shm``) by
 member runs on an SSD, whose fsync takes well under a millisecond, and this VM's shared virtual
 disk is no model of one; ``--disk`` puts it in ``/tmp`` instead.
 
-Run: ``.venv/bin/python -m bench.bench_rendezvous_etcd [--procs 4] [--repeat 3] [--token] [--disk] [N ...]``
-(default 2 8 32).
+Run: ``.venv/bin/python -m bench.bench_rendezvous_etcd [--procs 4] [--repeat 3] [--token] [--disk]
+[--conf KEY=VALUE,...] [N ...]`` (default 2 8 32; ``--conf`` is the agents' ``--rdzv-conf``).
 """
 
 from __future__ import annotations
@@ -82,14 +82,16 @@ def _count_requests() -> collections.Counter:
     return counts
 
 
-def child(endpoints: str, run_id: str, first: int, count: int, nodes: int) -> None:
+def child(endpoints: str, run_id: str, first: int, count: int, nodes: int, conf: str) -> None:
     """One process of agents: create the handlers, say ready, join on "go", report, close on "close"."""
     import torch.distributed  # noqa: F401 - group rank 0 hosts a TCPStore; keep the import out of the timing
 
     from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
+    from elastrun.rendezvous.conf import split
     from elastrun.rendezvous.etcd import create_handler
 
-    handlers = {i: create_handler(RendezvousParameters("etcd", endpoints, run_id, nodes, nodes))
+    config = split(conf)
+    handlers = {i: create_handler(RendezvousParameters("etcd", endpoints, run_id, nodes, nodes, config=config))
                 for i in range(first, first + count)}
     counts = _count_requests()
     print(json.dumps({"ready": len(handlers)}), flush=True)
@@ -125,7 +127,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def one_round(cluster, nodes: int, procs: int, token: bool, tag: int) -> dict:
+def one_round(cluster, nodes: int, procs: int, token: bool, tag: int, conf: str = "") -> dict:
     """One measured round of ``nodes`` agents in ``procs`` processes; returns its figures."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("ELASTRUN_JOB_TOKEN", None)
@@ -134,7 +136,7 @@ def one_round(cluster, nodes: int, procs: int, token: bool, tag: int) -> dict:
     procs = max(1, min(procs, nodes))
     share = [nodes // procs + (1 if p < nodes % procs else 0) for p in range(procs)]
     children = [subprocess.Popen([PYTHON, "-m", "bench.bench_rendezvous_etcd", "--child", cluster.endpoints,
-                                  f"bench{nodes}-{tag}", str(sum(share[:p])), str(share[p]), str(nodes)],
+                                  f"bench{nodes}-{tag}", str(sum(share[:p])), str(share[p]), str(nodes), conf],
                                  cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                 for p in range(procs)]
 
@@ -173,7 +175,7 @@ def one_round(cluster, nodes: int, procs: int, token: bool, tag: int) -> dict:
     for d in done:
         requests.update(d["requests"])
     total = sum(requests.values())
-    return {"nodes": nodes, "procs": procs, "token": token, "round_s": round(seconds, 3),
+    return {"nodes": nodes, "procs": procs, "token": token, "conf": conf, "round_s": round(seconds, 3),
             "load_avg_1min": round(load, 1), "etcd_cpu_s": round(etcd_cpu, 2),
             "agents_cpu_s": round(sum(d["cpu_s"] for d in done), 2),
             "requests_per_agent": round(total / nodes, 2),
@@ -207,8 +209,8 @@ def kill_detection(endpoints: str) -> float:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        endpoints, run_id, first, count, nodes = sys.argv[2:7]
-        child(endpoints, run_id, int(first), int(count), int(nodes))
+        endpoints, run_id, first, count, nodes, conf = sys.argv[2:8]
+        child(endpoints, run_id, int(first), int(count), int(nodes), conf)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("nodes", type=int, nargs="*", default=[2, 8, 32])
@@ -217,14 +219,16 @@ def main() -> None:
     parser.add_argument("--token", action="store_true", help="every agent holds a job token")
     parser.add_argument("--disk", action="store_true", help="etcd's data directory in /tmp, not on tmpfs")
     parser.add_argument("--no-detection", action="store_true", help="skip the lost-node detection")
+    parser.add_argument("--conf", default="", help="the agents' --rdzv-conf (KEY=VALUE,...); default: the defaults")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # ``timeout``: still stop etcd and remove its data
     from tests.rendezvous.etcd_cluster import EtcdCluster
 
     data_root = None if args.disk or not os.path.isdir("/dev/shm") else "/dev/shm"
     with EtcdCluster(1, data_root=data_root) as cluster:
         print(json.dumps({"etcd_data_dir": str(cluster.dir)}), flush=True)
         for n in args.nodes:
-            rows = [one_round(cluster, n, args.procs, args.token, r) for r in range(args.repeat)]
+            rows = [one_round(cluster, n, args.procs, args.token, r, args.conf) for r in range(args.repeat)]
             for row in rows:
                 print(json.dumps(row), flush=True)
             times = sorted(r["round_s"] for r in rows)
