@@ -13,12 +13,15 @@
 
 **What this machine adds.**  On a cluster every agent runs on its own machine and etcd on its
 own; here N agents and etcd share two cores.  Every agent still sends every request it would
-send on a cluster (nothing is shared or skipped), so the agents' own CPU — about 1.5 ms of
-Python per HTTP request through ``requests``, 256 agents' worth in series — is paid on etcd's two
-cores: the figure is an upper bound of a real round, and the etcd CPU seconds printed with it are
-what the member itself needed.  The data directory is on tmpfs (``/dev/shm``) by default: a real
-member runs on an SSD, whose fsync takes well under a millisecond, and this VM's shared virtual
-disk is no model of one; ``--disk`` puts it in ``/tmp`` instead.
+send on a cluster (nothing is shared or skipped), so the agents' own CPU — 15-31 ms of Python
+per agent per round (threads, HTTP through ``requests``), all agents' worth in series — is paid
+on etcd's two cores: the figure is an upper bound of a real round, and the etcd CPU seconds
+printed with it are what the member itself needed.  The load average printed with each round is
+taken just before it (the agents' own threads raise it during the round).
+
+The data directory is on tmpfs (``/dev/shm``) by default: a real member runs on an SSD, whose
+fsync takes well under a millisecond, and this VM's shared virtual disk is no model of one (64
+agents: 0.94 s on tmpfs, 1.72 s on it); ``--disk`` puts it in ``/tmp`` instead.
 
 Run: ``.venv/bin/python -m bench.bench_rendezvous_etcd [--procs 4] [--repeat 3] [--token] [--disk]
 [--conf KEY=VALUE,...] [N ...]`` (default 2 8 32; ``--conf`` is the agents' ``--rdzv-conf``).
