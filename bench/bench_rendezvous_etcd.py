@@ -20,8 +20,9 @@ printed with it are what the member itself needed.  The load average printed wit
 taken just before it (the agents' own threads raise it during the round).
 
 The data directory is on tmpfs (``/dev/shm``) by default: a real member runs on an SSD, whose
-fsync takes well under a millisecond, and this VM's shared virtual disk is no model of one (64
-agents: 0.9-1.7 s on tmpfs, 1.72 s on it); ``--disk`` puts it in ``/tmp`` instead.
+fsync takes well under a millisecond, and this VM's shared virtual disk is no model of one.  At
+64 agents the disk made no difference beyond the noise (1.72 s on it, 0.9-1.7 s on tmpfs): the
+round is bound by CPU.  ``--disk`` puts the data directory in ``/tmp`` instead.
 
 Run: ``.venv/bin/python -m bench.bench_rendezvous_etcd [--procs 4] [--repeat 3] [--token] [--disk]
 [--conf KEY=VALUE,...] [N ...]`` (default 2 8 32; ``--conf`` is the agents' ``--rdzv-conf``).
