@@ -1,20 +1,38 @@
 """Benchmark of the etcd rendezvous on a real single-member etcd (loopback).
 
-- one round with N agents (handlers in threads of one process, no workers): time from the start
-  of every ``next_round`` to the last one returning;
-- lost-node detection with the defaults: a second process holding a handler is SIGKILLed and the
+- one round with N agents (real handlers, no workers): time from one "go" to the last
+  ``next_round`` returning (wall clock of one machine).  The agents are spread over ``--procs``
+  processes (threads inside each), so N agents' Python is not squeezed through one GIL;
+- with each round: the requests the agents sent to etcd, per agent and by kind (lease grant,
+  keep-alive, range, put, txn, watch stream), the requests per second etcd served, the CPU
+  seconds etcd itself used, and the watch events delivered (each agent watches only what it acts
+  on, so this grows with N, not N²).  ``--token`` gives every agent a job token;
+- lost-node detection with the defaults: a process holding a handler is SIGKILLed and the
   survivor's ``poll()`` is watched until it reports the loss;
 - keys left in etcd after every agent closed.
 
-With each round its watch events are counted: the events all agents' watches delivered, from the
-start of the round to the last ``next_round`` returning (each agent watches only what it acts on,
-so this grows with N, not N²).  ``--token`` gives every agent a job token.
+**What this machine adds.**  On a cluster every agent runs on its own machine and etcd on its
+own; here N agents and etcd share two cores.  Every agent still sends every request it would
+send on a cluster (nothing is shared or skipped), so the agents' own CPU — 15-31 ms of Python
+per agent per round (threads, HTTP through ``requests``), all agents' worth in series — is paid
+on etcd's two cores: the figure is an upper bound of a real round, and the etcd CPU seconds
+printed with it are what the member itself needed.  The load average printed with each round is
+taken just before it (the agents' own threads raise it during the round).
 
-Run: ``.venv/bin/python bench/bench_rendezvous_etcd.py [--token] [--repeat 3] [N ...]`` (default 2 8 32).
+The data directory is on tmpfs (``/dev/shm``) by default: a real member runs on an SSD, whose
+fsync takes well under a millisecond, and this VM's shared virtual disk is no model of one.  At
+64 agents the disk made no difference beyond the noise (1.72 s on it, 0.9-1.7 s on tmpfs): the
+round is bound by CPU.  ``--disk`` puts the data directory in ``/tmp`` instead.
+
+Run: ``.venv/bin/python -m bench.bench_rendezvous_etcd [--procs 4] [--repeat 3] [--token] [--disk]
+[--conf KEY=VALUE,...] [N ...]`` (default 2 8 32; ``--conf`` is the agents' ``--rdzv-conf``).
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
+import json
 import os
 import signal
 import statistics
@@ -22,13 +40,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import PYTHON, ROOT
 
-from elastrun.rendezvous.api import NodeInfo, RendezvousParameters  # noqa: E402
-from elastrun.rendezvous.etcd import create_handler  # noqa: E402
-from tests.rendezvous.etcd_cluster import EtcdCluster  # noqa: E402
+ROUND_TIMEOUT = 300.0
+TOKEN = "bench-token-0123456789abcdef0123456789abcdef"
 
 CHILD = """
 import sys, time
@@ -42,34 +58,140 @@ time.sleep(600)
 """
 
 
-def one_round(endpoints: str, n: int) -> tuple[float, int]:
-    handlers = [create_handler(RendezvousParameters("etcd", endpoints, f"bench{n}", n, n)) for _ in range(n)]
-    errors: list[BaseException] = []
+def _count_requests() -> collections.Counter:
+    """Count every request this process's etcd clients send, by kind (wraps the client's one entry point)."""
+    from elastrun.rendezvous.etcd import client
+
+    counts: collections.Counter = collections.Counter()
+    lock = threading.Lock()
+    request, stream = client.EtcdClient.request, client._RangeStream._stream
+
+    def counted_request(self, path: str, body: dict) -> dict:
+        kind = {"/kv/range": "range", "/kv/put": "put", "/kv/txn": "txn", "/lease/grant": "lease grant",
+                "/lease/keepalive": "keep-alive", "/kv/deleterange": "delete",
+                "/kv/lease/revoke": "lease revoke"}.get(path, path)
+        if kind == "txn" and all("request_range" in op for op in body.get("success", [])):
+            kind = "txn (reads only)"
+        with lock:
+            counts[kind] += 1
+        return request(self, path, body)
+
+    def counted_stream(self, index: int) -> None:
+        with lock:
+            counts["watch stream"] += 1
+        return stream(self, index)
+
+    client.EtcdClient.request = counted_request
+    client._RangeStream._stream = counted_stream
+    return counts
+
+
+def child(endpoints: str, run_id: str, first: int, count: int, nodes: int, conf: str) -> None:
+    """One process of agents: create the handlers, say ready, join on "go", report, close on "close"."""
+    import torch.distributed  # noqa: F401 - group rank 0 hosts a TCPStore; keep the import out of the timing
+
+    from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
+    from elastrun.rendezvous.conf import split
+    from elastrun.rendezvous.etcd import create_handler
+
+    config = split(conf)
+    handlers = {i: create_handler(RendezvousParameters("etcd", endpoints, run_id, nodes, nodes, config=config))
+                for i in range(first, first + count)}
+    counts = _count_requests()
+    print(json.dumps({"ready": len(handlers)}), flush=True)
+    sys.stdin.readline()  # "go"
+    cpu = time.process_time()
+    ends: dict[int, float] = {}
+    errors: list[str] = []
 
     def join(i: int) -> None:
         try:
-            handlers[i].next_round(NodeInfo(f"n{i}", "127.0.0.1", 1))
-        except BaseException as exc:
-            errors.append(exc)
+            handlers[i].next_round(NodeInfo(f"n{i:05d}", "127.0.0.1", 1))
+            ends[i] = time.time()
+        except Exception as exc:
+            errors.append(f"agent {i}: {exc}")
 
-    threads = [threading.Thread(target=join, args=(i,)) for i in range(n)]
-    started = time.perf_counter()
+    threads = [threading.Thread(target=join, args=(i,)) for i in handlers]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
-    took = time.perf_counter() - started
-    events = sum(h._watch.seq for h in handlers if h._watch is not None)
-    for h in handlers:
+        t.join(ROUND_TIMEOUT)
+    events = sum(h._watch.seq for h in handlers.values() if h._watch is not None)
+    print(json.dumps({"ends": list(ends.values()), "errors": errors[:3], "requests": dict(counts),
+                      "events": events, "cpu_s": time.process_time() - cpu}), flush=True)
+    sys.stdin.readline()  # "close"
+    for h in handlers.values():
         h.close()
-    if errors:
-        raise errors[0]
-    return took, events
+    os._exit(0)
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_round(cluster, nodes: int, procs: int, token: bool, tag: int, conf: str = "") -> dict:
+    """One measured round of ``nodes`` agents in ``procs`` processes; returns its figures."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("ELASTRUN_JOB_TOKEN", None)
+    if token:
+        env["ELASTRUN_JOB_TOKEN"] = TOKEN
+    procs = max(1, min(procs, nodes))
+    share = [nodes // procs + (1 if p < nodes % procs else 0) for p in range(procs)]
+    children = [subprocess.Popen([PYTHON, "-m", "bench.bench_rendezvous_etcd", "--child", cluster.endpoints,
+                                  f"bench{nodes}-{tag}", str(sum(share[:p])), str(share[p]), str(nodes), conf],
+                                 cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                for p in range(procs)]
+
+    def read_all() -> list[dict]:
+        return [json.loads(c.stdout.readline() or "{}") for c in children]
+
+    def tell(word: str) -> None:
+        for c in children:
+            c.stdin.write(word + "\n")
+            c.stdin.flush()
+
+    try:
+        if sum(r.get("ready", 0) for r in read_all()) != nodes:
+            raise RuntimeError("set-up incomplete")
+        time.sleep(1.0)  # let the set-up's own requests settle
+        load = os.getloadavg()[0]
+        etcd_pid = cluster.procs[0].pid
+        etcd_cpu = _cpu_seconds(etcd_pid)
+        go = time.time()
+        tell("go")
+        done = read_all()
+        etcd_cpu = _cpu_seconds(etcd_pid) - etcd_cpu
+        ends = [e for d in done for e in d.get("ends", [])]
+        if len(ends) != nodes:
+            raise RuntimeError(f"round incomplete: {[d.get('errors') for d in done]}")
+        tell("close")
+    finally:
+        for c in children:
+            try:
+                c.wait(60)
+            except subprocess.TimeoutExpired:
+                c.kill()
+                c.wait()
+    seconds = max(ends) - go
+    requests: collections.Counter = collections.Counter()
+    for d in done:
+        requests.update(d["requests"])
+    total = sum(requests.values())
+    return {"nodes": nodes, "procs": procs, "token": token, "conf": conf, "round_s": round(seconds, 3),
+            "load_avg_1min": round(load, 1), "etcd_cpu_s": round(etcd_cpu, 2),
+            "agents_cpu_s": round(sum(d["cpu_s"] for d in done), 2),
+            "requests_per_agent": round(total / nodes, 2),
+            "by_kind_per_agent": {k: round(v / nodes, 2) for k, v in requests.most_common()},
+            "requests_per_s": round(total / seconds), "watch_events": sum(d["events"] for d in done)}
 
 
 def kill_detection(endpoints: str) -> float:
-    repo = str(Path(__file__).resolve().parents[1])
-    child = subprocess.Popen([sys.executable, "-c", CHILD.format(repo=repo, ep=endpoints)], stdout=subprocess.PIPE,
+    from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
+    from elastrun.rendezvous.etcd import create_handler
+
+    child = subprocess.Popen([PYTHON, "-c", CHILD.format(repo=str(ROOT), ep=endpoints)], stdout=subprocess.PIPE,
                              text=True)
     survivor = create_handler(RendezvousParameters("etcd", endpoints, "kill", 2, 2))
     try:
@@ -90,26 +212,35 @@ def kill_detection(endpoints: str) -> float:
 
 
 def main() -> None:
-    import torch.distributed  # noqa: F401 - group rank 0 hosts a TCPStore; keep the import out of the timing
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        endpoints, run_id, first, count, nodes, conf = sys.argv[2:8]
+        child(endpoints, run_id, int(first), int(count), int(nodes), conf)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("nodes", type=int, nargs="*", default=[2, 8, 32])
+    parser.add_argument("--procs", type=int, default=4, help="processes the agents are spread over")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--token", action="store_true", help="every agent holds a job token")
+    parser.add_argument("--disk", action="store_true", help="etcd's data directory in /tmp, not on tmpfs")
+    parser.add_argument("--no-detection", action="store_true", help="skip the lost-node detection")
+    parser.add_argument("--conf", default="", help="the agents' --rdzv-conf (KEY=VALUE,...); default: the defaults")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # ``timeout``: still stop etcd and remove its data
+    from tests.rendezvous.etcd_cluster import EtcdCluster
 
-    args = sys.argv[1:]
-    if "--token" in args:
-        args.remove("--token")
-        os.environ["ELASTRUN_JOB_TOKEN"] = "bench-token-0123456789abcdef0123456789abcdef"
-    repeat = 3
-    if "--repeat" in args:
-        at = args.index("--repeat")
-        repeat = int(args[at + 1])
-        del args[at:at + 2]
-    sizes = [int(a) for a in args] or [2, 8, 32]
-    with EtcdCluster(1) as cluster:
-        for n in sizes:
-            rows = sorted(one_round(cluster.endpoints, n) for _ in range(repeat))
-            times = [t for t, _ in rows]
-            print(f"round with {n:3d} agents: median {statistics.median(times):.3f} s (min {times[0]:.3f}, "
-                  f"max {times[-1]:.3f}); watch events delivered per round: {rows[len(rows) // 2][1]}", flush=True)
-        detections = sorted(kill_detection(cluster.endpoints) for _ in range(3))
-        print(f"SIGKILLed agent detected after: {', '.join(f'{d:.2f}' for d in detections)} s")
+    data_root = None if args.disk or not os.path.isdir("/dev/shm") else "/dev/shm"
+    with EtcdCluster(1, data_root=data_root) as cluster:
+        print(json.dumps({"etcd_data_dir": str(cluster.dir)}), flush=True)
+        for n in args.nodes:
+            rows = [one_round(cluster, n, args.procs, args.token, r, args.conf) for r in range(args.repeat)]
+            for row in rows:
+                print(json.dumps(row), flush=True)
+            times = sorted(r["round_s"] for r in rows)
+            print(f"round with {n} agents in {rows[0]['procs']} processes: median {statistics.median(times):.3f} s "
+                  f"(min {times[0]:.3f}, max {times[-1]:.3f})", flush=True)
+        if not args.no_detection:
+            detections = sorted(kill_detection(cluster.endpoints) for _ in range(3))
+            print(f"SIGKILLed agent detected after: {', '.join(f'{d:.2f}' for d in detections)} s")
         print(f"keys left under /elastrun/ after all agents closed: {len(cluster.list_keys())}")
 
 

@@ -75,13 +75,14 @@ class EtcdCluster:
     """``size`` etcd members on ``host``; ``wrap`` prefixes each command (e.g. ``ip netns exec NS``)."""
 
     def __init__(self, size: int = 1, host: str = "127.0.0.1", wrap: list[str] | None = None,
-                 ports: list[tuple[int, int]] | None = None, tls: EtcdTLS | None = None) -> None:
+                 ports: list[tuple[int, int]] | None = None, tls: EtcdTLS | None = None,
+                 data_root: str | None = None) -> None:
         self.tls = tls
         self.metrics_ports = [free_port() for _ in range(size)] if tls else []
         self.size = size
         self.host = host
         self.wrap = list(wrap or [])
-        self.dir = Path(tempfile.mkdtemp(prefix="elastrun-etcd-"))
+        self.dir = Path(tempfile.mkdtemp(prefix="elastrun-etcd-", dir=data_root))  # data_root: e.g. a tmpfs
         self.ports = ports or [(free_port(), free_port()) for _ in range(size)]
         self.procs: list[subprocess.Popen | None] = [None] * size
         self.names = [f"m{i}" for i in range(size)]

@@ -51,8 +51,26 @@ def test_config_errors_name_the_key():
     with pytest.raises(RendezvousConfigError, match="lease_ttl"):
         parse_config(_params("h:1", lease_ttl="1", keepalive_interval="1"))
     assert parse_config(_params("h:1", ca_cert=__file__))["protocol"] == "https"
+    # Three renewals per lease TTL unless told otherwise (etcd's own client does the same).
+    assert parse_config(_params("h:1"))["keepalive_interval"] == 1.0
+    assert parse_config(_params("h:1", lease_ttl="9"))["keepalive_interval"] == 3.0
+    assert parse_config(_params("h:1", keepalive_interval="0.5"))["keepalive_interval"] == 0.5
     with pytest.raises(RendezvousConfigError, match="without a scheme"):
         create_handler(_params("http://h:2379"))
+
+
+def test_proxies_are_read_from_the_environment_once(monkeypatch):
+    """The client takes the proxy settings when it is made (NO_PROXY honoured), not at every request."""
+    from elastrun.rendezvous.etcd.client import EtcdClient, EtcdSettings, Shared
+
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    proxied = EtcdClient(EtcdSettings([("etcd.invalid", 2379)]), Shared())._clients[0].session
+    assert (proxied.trust_env, proxied.proxies.get("http")) == (False, "http://proxy.invalid:3128")
+    monkeypatch.setenv("NO_PROXY", "etcd.invalid")
+    direct = EtcdClient(EtcdSettings([("etcd.invalid", 2379)]), Shared())._clients[0].session
+    assert (direct.trust_env, direct.proxies.get("http")) == (False, None)
 
 
 @needs_etcd

@@ -79,6 +79,7 @@ from elastrun.rendezvous.etcd.client import (
     op_delete,
     op_delete_prefix,
     op_put,
+    op_range,
     prefix_end,
 )
 from elastrun.rendezvous.link import Link, Wakeup, listen_for_watchers, ring_successor
@@ -103,6 +104,21 @@ def _just(key: str) -> str:
 
 class _Reregister(Exception):
     """This agent's lease expired (or the incarnation changed): register again and rejoin."""
+
+
+@dataclasses.dataclass
+class _Look:
+    """One read of a round's state (one request): its result, its earliest join (as a one-element
+    list), how many joined, and whether this node's join key is there."""
+
+    result: KV | None
+    first: list[KV]
+    joined: int
+    mine: bool
+
+
+def _first(read: tuple[list[KV], int]) -> KV | None:
+    return read[0][0] if read[0] else None
 
 
 class EtcdRendezvousHandler(RendezvousHandler):
@@ -153,6 +169,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._ring_pending: str | None = None
         self._reported: set[str] = set()
         self._worker_store = None
+        #: The job's state (abort, finished, current) read in the registration's transaction, for
+        #: the join that follows it (saves a request); None: read it afresh.
+        self._job_state: list[tuple[list[KV], int]] | None = None
         self._warned_wait = False
         self._closed = False
         self._token = JobToken(load_token(conf["token_file"], self._warn), self.run_id)
@@ -170,8 +189,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         join timeout.
         """
         try:
-            epoch = self._kv.get(self._p + "epoch")
-            if epoch is not None and self._kv.count(self._p + "agents/") > 0:
+            epoch_read, agents = self._kv.read_many([op_range(self._p + "epoch"), self._agents_op()])
+            epoch = _first(epoch_read)
+            if epoch is not None and agents[1] > 0:
                 # A running job: a node whose token does not match fails now, before anything starts.
                 self._token.accept(json.loads(epoch.value).get("auth", "none"), self.endpoints_text)
         except EtcdUnavailable:
@@ -225,6 +245,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _r(self, round_: int, *parts: str) -> str:
         return f"{self._q}r{round_}/" + "/".join(parts)
 
+    def _agents_op(self) -> dict[str, Any]:
+        """Count of the live agents of the job (a read for a transaction)."""
+        return op_range(self._p + "agents/", prefix_end(self._p + "agents/"), count_only=True)
+
+    @staticmethod
+    def _job_state_ops(q: str) -> list[dict[str, Any]]:
+        """Reads of an incarnation's ``abort``, ``finished`` and ``current`` (for a transaction)."""
+        return [op_range(q + "abort"), op_range(q + "finished"), op_range(q + "current")]
+
     # ------------------------------------------------------------------ registration and incarnation
     def _register(self, deadline: float) -> None:
         """Hold a lease, find (or start) the job's incarnation, and put this agent's key in it."""
@@ -252,16 +281,20 @@ class EtcdRendezvousHandler(RendezvousHandler):
         assert self._node is not None
         me = json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
         agent_key = self._p + "agents/" + self._node.node_id
-        epoch = self._kv.get(self._p + "epoch")
-        live = self._kv.count(self._p + "agents/")
+        epoch_read, (_, live) = self._kv.read_many([op_range(self._p + "epoch"), self._agents_op()])
+        epoch = _first(epoch_read)
+        self._job_state = None
         if epoch is not None:
             doc = json.loads(epoch.value)
             if live > 0 or doc["id"] == self._epoch:
                 self._accept(doc)
-                ok = self._kv.txn([cmp_mod(self._p + "epoch", epoch.mod_revision)],
-                                  [op_put(agent_key, me, self._lease)])
+                # Register and read the job's state (for the join that follows) in one request.
+                ok, reads = self._kv.txn_reads([cmp_mod(self._p + "epoch", epoch.mod_revision)],
+                                               [op_put(agent_key, me, self._lease),
+                                                *self._job_state_ops(f"{self._p}e/{doc['id']}/")])
                 if ok:
                     self._adopt(doc["id"], int(doc["lease"]), epoch.mod_revision)
+                    self._job_state = [r if r is not None else ([], 0) for r in reads[1:]]
                 return ok
         # No live agent: this is a new job; start a fresh incarnation (and drop a crashed one's keys).
         job_lease = self._kv.grant(int(self.conf["job_ttl"]))
@@ -277,6 +310,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._accept(fresh)
         epoch = self._kv.get(self._p + "epoch")
         self._adopt(new_id, job_lease, epoch.mod_revision if epoch else 0)
+        self._job_state = [([], 0)] * 3  # a fresh incarnation has no state yet
         return True
 
     def _accept(self, epoch_doc: dict) -> None:
@@ -337,22 +371,28 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def _join_rounds(self, node: NodeInfo, deadline: float) -> RoundResult:
         assert self._watch is not None
-        self._check_job_ended(deadline)
+        state, self._job_state = self._job_state, None
+        if state is None:
+            state = self._retry(lambda: self._kv.read_many(self._job_state_ops(self._q)), deadline,
+                                "read the job state")
+        abort, finished, current_kv = (_first(read) for read in state)
+        self._check_job_ended(abort, finished)
         old_round = self._round
-        current = self._open(self._retry(lambda: self._kv.get(self._q + "current"), deadline, "read the open round"))
+        current = self._open(current_kv)
         # Missing or forged: the round after this node's last one (or 0); closed rounds are walked past.
         round_ = int(current) if current else (0 if old_round is None else old_round + 1)
         while True:
             self._watch_round(round_)
             cursor = self._watch.seq
             join_key = self._r(round_, "join", node.node_id)
-            self._retry(lambda k=join_key: self._kv.put(k, self._seal(k, node.to_json()), self._lease),
-                        deadline, "join a round")
+            join = op_put(join_key, self._seal(join_key, node.to_json()), self._lease)
+            # Join and read the round's state in one request.
+            seen = self._retry(lambda r=round_, op=join: self._look(r, op), deadline, "join a round")
             if round_ > 0:
                 # Wake the members of the round before, once per kind of joiner (not once per joiner).
                 kind = "member" if old_round == round_ - 1 and node.node_id in self._members else "new"
                 self._raise_flag(self._r(round_ - 1, "next", kind), deadline)
-            doc = self._await_close(round_, cursor, deadline)
+            doc = self._await_close(round_, cursor, deadline, seen)
             if any(m["node_id"] == node.node_id for m in doc["members"]):
                 result = self._round_result(round_, doc, cursor, deadline)
                 if result is not None:
@@ -382,11 +422,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if self._auth.enabled and self._open(self._retry(lambda: self._kv.get(key), deadline, "read")) is None:
             self._retry(lambda: self._kv.put(key, value, self._job_lease), deadline, "wake the running members")
 
-    def _check_job_ended(self, deadline: float) -> None:
-        abort = self._open(self._retry(lambda: self._kv.get(self._q + "abort"), deadline, "read the job state"))
+    def _check_job_ended(self, abort_kv: KV | None, finished_kv: KV | None) -> None:
+        abort = self._open(abort_kv)
         if abort is not None:
             raise JobFailedError("the job was ended by another node", abort, self._abort_code())
-        if self._open(self._retry(lambda: self._kv.get(self._q + "finished"), deadline, "read the job state")):
+        if self._open(finished_kv):
             raise JobFinishedError(f"job {self.run_id!r} has already finished")
 
     def _abort_code(self) -> int:
@@ -399,17 +439,22 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _timeout_error(self, round_: int, joined: int) -> RendezvousTimeoutError:
         return timeout_error(self.run_id, self.join_timeout, round_, self.min_nodes, self.max_nodes, joined)
 
-    def _await_close(self, round_: int, cursor: int, deadline: float) -> dict:
-        """Wait for round ``round_``'s result; the earliest live joiner closes it when the rules allow."""
+    def _await_close(self, round_: int, cursor: int, deadline: float, seen: _Look) -> dict:
+        """Wait for round ``round_``'s result; the earliest live joiner closes it when the rules allow.
+
+        ``seen`` is the state read with this node's join.  The result normally arrives as a watch
+        event, whose value is used as it is; the state is read again (one request) when the closer
+        sees a join, when a join key vanishes, and every ``_RECHECK`` s in case the closer died.
+        """
         assert self._watch is not None and self._node is not None
         me = self._node.node_id
         result_key, join_prefix = self._r(round_, "result"), self._r(round_, "join/")
         prev_prefix = self._r(round_ - 1, "") if round_ > 0 else None
         min_reached: float | None = None
         joined = 0
-        look = True  # re-read the state now
+        look = False  # re-read the state now
         closer = False
-        next_recheck = time.monotonic() + _RECHECK
+        next_recheck = 0.0
         while True:
             now = time.monotonic()
             if now >= deadline:
@@ -417,15 +462,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._check_lease()
             if look or now >= next_recheck:
                 next_recheck = now + _RECHECK
-                found = self._open(self._retry(lambda: self._kv.get(result_key), deadline, "read the round"))
+                if seen is None:
+                    seen = self._retry(lambda: self._look(round_), deadline, "read the round")
+                found = self._open(seen.result)
                 if found is not None:
-                    self._watch_as_closer(round_, False)
-                    doc = json.loads(found)
-                    if doc.get("abort"):
-                        raise JobFailedError("the job was ended", doc["abort"], int(doc.get("abort_code", 1)))
-                    return doc
-                first, joined = self._first_joiner(join_prefix, deadline)
-                mine = self._retry(lambda: self._kv.range(join_prefix + me)[0], deadline, "read joins")
+                    return self._closed_round(round_, found)
+                first, joined, mine = seen.first, seen.joined, seen.mine
+                seen = None
                 if not mine:
                     raise _Reregister()  # our join key vanished (lease expired)
                 closer = bool(first) and first[0].key == join_prefix + me
@@ -433,7 +476,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 if closer:
                     if joined >= self.min_nodes and min_reached is None:
                         min_reached = now
-                    if self._try_close(round_, min_reached, deadline):
+                    if self._may_close(round_, joined, min_reached) and self._try_close(round_, min_reached, deadline):
                         continue
                 look = False
             wait = next_recheck - time.monotonic()
@@ -447,7 +490,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 look = True
                 continue
             for ev in events:
-                if ev.key == result_key or ev.key == self._q + "abort":
+                if ev.key == result_key and ev.kind == "PUT":
+                    found = self._auth.open(ev.key, ev.value)  # a forged one is ignored (reported once)
+                    if found is not None:
+                        return self._closed_round(round_, found)
+                elif ev.key == self._q + "abort":
                     look = True
                 elif ev.key.startswith(join_prefix):
                     look = look or closer or ev.kind == "DELETE"
@@ -456,6 +503,23 @@ class EtcdRendezvousHandler(RendezvousHandler):
             if closer and min_reached is not None and \
                     time.monotonic() >= min_reached + float(self.conf["last_call_timeout"]):
                 look = True
+
+    def _closed_round(self, round_: int, found: str) -> dict:
+        """The result document of ``round_`` (authentic text ``found``); a job ended by it fails here."""
+        self._watch_as_closer(round_, False)
+        doc = json.loads(found)
+        if doc.get("abort"):
+            raise JobFailedError("the job was ended", doc["abort"], int(doc.get("abort_code", 1)))
+        return doc
+
+    def _may_close(self, round_: int, joined: int, min_reached: float | None) -> bool:
+        """False where the rules cannot close the round yet whoever joined (spares the closer a read
+        of every join at each arrival); :meth:`_try_close` decides the rest."""
+        if joined < self.min_nodes:
+            return False
+        if joined >= self.max_nodes or round_ > 0:
+            return True
+        return min_reached is not None and time.monotonic() - min_reached >= float(self.conf["last_call_timeout"])
 
     def _watch_as_closer(self, round_: int, closer: bool) -> None:
         """The closer alone watches the round's joins and the previous round's keys (to count who is
@@ -471,22 +535,25 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._watch.unwatch("joins")
             self._watch.unwatch("prev")
 
-    def _first_joiner(self, join_prefix: str, deadline: float) -> tuple[list[KV], int]:
-        """The earliest join of a round (as a one-element list) and the number of joins.
+    def _look(self, round_: int, write: dict[str, Any] | None = None) -> _Look:
+        """Read round ``round_``'s result, earliest join, join count and this node's join key in
+        one request (after ``write``, in the same transaction, when given).
 
         With a token the earliest *authentic* join: a forged one must not make every real joiner
-        wait for a closer that does not exist.  Without an attack that is one value read.
+        wait for a closer that does not exist (one more read, only when the earliest is forged).
         """
-        if not self._auth.enabled:
-            return self._retry(lambda: self._kv.range(join_prefix, prefix_end(join_prefix), keys_only=True,
-                                                      by_create=True, limit=1), deadline, "read joins")
-        first, joined = self._retry(lambda: self._kv.range(join_prefix, prefix_end(join_prefix), by_create=True,
-                                                           limit=1), deadline, "read joins")
-        if first and self._open(first[0]) is None:
-            every, _ = self._retry(lambda: self._kv.range(join_prefix, prefix_end(join_prefix), by_create=True),
-                                   deadline, "read joins")
+        assert self._node is not None
+        join_prefix = self._r(round_, "join/")
+        ops = [op_range(self._r(round_, "result")),
+               op_range(join_prefix, prefix_end(join_prefix), keys_only=not self._auth.enabled, by_create=True,
+                        limit=1),
+               op_range(join_prefix + self._node.node_id, keys_only=True)]
+        _, reads = self._kv.txn_reads([], [write, *ops] if write is not None else ops)
+        result, (first, joined), (mine, _) = reads[-3:]
+        if first and self._auth.enabled and self._open(first[0]) is None:
+            every, _ = self._kv.range(join_prefix, prefix_end(join_prefix), by_create=True)
             first = self._authentic(every)[:1]
-        return first, joined
+        return _Look(_first(result), first, joined, bool(mine))
 
     def _try_close(self, round_: int, min_reached: float | None, deadline: float) -> bool:
         """As the closer: apply the rules to the joiners and publish the result if the round may close."""
@@ -573,22 +640,38 @@ class EtcdRendezvousHandler(RendezvousHandler):
         store_key = self._r(round_, "store")
         host = next(m for m in members if m.group_rank == 0)
         self._worker_store = None
+        found: str | None = None
         if me.group_rank == 0:
             self._worker_store = host_worker_store(me.addr)
-            address = self._seal(store_key, f"{me.addr}:{self._worker_store.port}")
+            found = f"{me.addr}:{self._worker_store.port}"
+            address = self._seal(store_key, found)
             self._retry(lambda: self._kv.put(store_key, address, self._job_lease), deadline, "publish the store")
-        while True:
+        # The address normally arrives as a watch event; read it (with the host's join key, one
+        # request) only when a wait for the event passes without it.
+        host_key = self._r(round_, "join", host.node_id)
+        seen, first_wait = cursor, True
+        while found is None:
             self._check_lease()
-            found = self._open(self._retry(lambda: self._kv.get(store_key), deadline, "read the store address"))
+            events = self._watch.since(seen)
+            seen = self._watch.seq
+            for ev in events or []:
+                if ev.key == store_key and ev.kind == "PUT":
+                    found = self._auth.open(ev.key, ev.value) or found
             if found is not None:
                 break
-            host_key = self._r(round_, "join", host.node_id)
-            if not self._retry(lambda k=host_key: self._kv.range(k)[0], deadline, "read the round"):
-                return None  # the store host died before publishing: go to the next round
+            if not first_wait or events is None:
+                store, alive = self._retry(lambda: self._kv.read_many([op_range(store_key),
+                                                                       op_range(host_key, keys_only=True)]),
+                                           deadline, "read the store address")
+                found = self._open(_first(store))
+                if found is not None:
+                    break
+                if not alive[0]:
+                    return None  # the store host died before publishing: go to the next round
             if time.monotonic() >= deadline:
                 raise self._timeout_error(round_, len(members))
-            self._watch.wait(cursor, min(1.0, max(0.0, deadline - time.monotonic())))
-            cursor = self._watch.seq
+            first_wait = False
+            self._watch.wait(seen, min(1.0, max(0.0, deadline - time.monotonic())))
         store_addr, _, store_port = found.rpartition(":")
         result = member_view(round_, doc, members, me, store_addr, int(store_port))
         self._round, self._result = round_, result

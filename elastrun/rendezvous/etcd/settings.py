@@ -20,7 +20,7 @@ CONFIG_KEYS: dict[str, conf.Key] = {
     "join_timeout": conf.Key("seconds", 600.0),
     "last_call_timeout": conf.Key("seconds", 1.0),
     "lease_ttl": conf.Key("seconds", 3.0),
-    "keepalive_interval": conf.Key("seconds", 0.5),
+    "keepalive_interval": conf.Key("seconds"),  # default: lease_ttl / 3 (see parse_config)
     "request_timeout": conf.Key("seconds", 3.0),
     "outage_timeout": conf.Key("seconds", 600.0),
     "job_ttl": conf.Key("seconds", 600.0),
@@ -44,6 +44,11 @@ DEFAULT_PORT = 2379
 def parse_config(params: RendezvousParameters) -> dict[str, Any]:
     """Typed ``--rdzv-conf`` values; unknown keys and bad combinations are errors that say what is allowed."""
     values = conf.read(params.config, CONFIG_KEYS, params.backend, CONFIG_ALIASES)
+    if values["keepalive_interval"] is None:
+        # Three renewals per lease TTL, as etcd's own client does: a renewal may fail or wait
+        # twice before the lease is at risk, and a job of n agents costs etcd n / (TTL / 3)
+        # renewals a second (not twice that).
+        values["keepalive_interval"] = values["lease_ttl"] / 3
     if values["keepalive_interval"] <= 0:
         raise RendezvousConfigError("--rdzv-conf keepalive_interval must be positive")
     if values["lease_ttl"] < 2 * values["keepalive_interval"] or values["lease_ttl"] < 1:
