@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import re
 import signal
 import socket
@@ -28,36 +27,8 @@ STEPS_SCRIPT = SCRIPTS / "steps.py"
 _STEP_LINE = re.compile(r"step (\d+) rank (\d+) world (\d+) gen (\S+) t ([\d.]+)")
 
 
-_handed_out: set[int] = set()
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago on ``host`` (for a test job's endpoints).
-
-    Chosen below the kernel's ephemeral range, never twice in one test run: a port the kernel
-    picks for ``bind(0)`` comes from the range it also gives outgoing connections, so a server
-    started a moment later (an etcd member whose peers already connect to each other) could find
-    it taken.  Falls back to the kernel's pick if no such port is free.
-    """
-    low = _ephemeral_low()
-    for _ in range(200):
-        port = random.randrange(max(1024, low - 12000), low)
-        if port in _handed_out:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
+    """A port that was free a moment ago on ``host`` (for a test job's endpoints)."""
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
