@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 
-from bench.common import PYTHON, ROOT
+from bench.common import PYTHON, ROOT, read_lines, tell
 
 ROUND_TIMEOUT = 300.0
 TOKEN = "bench-token-0123456789abcdef0123456789abcdef"
@@ -144,29 +144,21 @@ def one_round(cluster, nodes: int, procs: int, token: bool, tag: int, conf: str 
                                  cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                 for p in range(procs)]
 
-    def read_all() -> list[dict]:
-        return [json.loads(c.stdout.readline() or "{}") for c in children]
-
-    def tell(word: str) -> None:
-        for c in children:
-            c.stdin.write(word + "\n")
-            c.stdin.flush()
-
     try:
-        if sum(r.get("ready", 0) for r in read_all()) != nodes:
+        if sum(r.get("ready", 0) for r in read_lines(children)) != nodes:
             raise RuntimeError("set-up incomplete")
         time.sleep(1.0)  # let the set-up's own requests settle
         load = os.getloadavg()[0]
         etcd_pid = cluster.procs[0].pid
         etcd_cpu = _cpu_seconds(etcd_pid)
         go = time.time()
-        tell("go")
-        done = read_all()
+        tell(children, "go")
+        done = read_lines(children)
         etcd_cpu = _cpu_seconds(etcd_pid) - etcd_cpu
         ends = [e for d in done for e in d.get("ends", [])]
         if len(ends) != nodes:
             raise RuntimeError(f"round incomplete: {[d.get('errors') for d in done]}")
-        tell("close")
+        tell(children, "close")
     finally:
         for c in children:
             try:

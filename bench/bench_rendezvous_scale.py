@@ -49,7 +49,7 @@ import sys
 import threading
 import time
 
-from bench.common import PYTHON, ROOT, free_port
+from bench.common import PYTHON, ROOT, free_port, read_lines, tell
 
 SETUP_TIMEOUT = 900.0
 ROUND_TIMEOUT = 300.0
@@ -307,25 +307,17 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
         if p == 0:
             time.sleep(1.0)  # let process 0 bind the store first
 
-    def read_all() -> list[dict]:
-        return [json.loads(c.stdout.readline() or "{}") for c in children]
-
-    def tell(word: str) -> None:
-        for c in children:
-            c.stdin.write(word + "\n")
-            c.stdin.flush()
-
     try:
         setup_started = time.time()
-        ready = read_all()
+        ready = read_lines(children)
         setup = time.time() - setup_started
         if sum(r.get("ready", 0) for r in ready) != nodes:
             raise RuntimeError(f"set-up incomplete: {ready}")
         connections = sum(1 for c in psutil.net_connections("tcp")
                           if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED)
         go = time.time()
-        tell("go")
-        done = read_all()
+        tell(children, "go")
+        done = read_lines(children)
         if sum(d.get("joined", 0) for d in done) != nodes:
             raise RuntimeError(f"round incomplete: {[{k: d.get(k) for k in ('joined', 'errors')} for d in done]}")
         ranks = sorted(r for d in done for r in d["ranks"])
@@ -334,11 +326,11 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
         seconds = max(d["end"] for d in done) - go
         closed_at = next(d["closed_at"] for d in done if d.get("closed_at"))
         full_end = max(d["full_end"] for d in done if d.get("full_end"))
-        tell("beat")
-        beat_rows = read_all()
+        tell(children, "beat")
+        beat_rows = read_lines(children)
         beats = sum(b.get("beats", 0) for b in beat_rows)
         store_cpu = beat_rows[0].get("store_cpu_s", 0.0)
-        tell("close")
+        tell(children, "close")
     finally:
         for c in children:
             try:

@@ -169,3 +169,15 @@ class Row:
 
 def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def read_lines(children: list[subprocess.Popen]) -> list[dict]:
+    """One JSON line from each child bench process (``{}`` for one that closed its stdout)."""
+    return [json.loads(c.stdout.readline() or "{}") for c in children]
+
+
+def tell(children: list[subprocess.Popen], word: str) -> None:
+    """Send ``word`` as one line to every child bench process (e.g. ``go``, ``close``)."""
+    for c in children:
+        c.stdin.write(word + "\n")
+        c.stdin.flush()
