@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import signal
 import socket
@@ -32,6 +33,36 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+_quiet_handed_out: set[int] = set()
+
+
+def quiet_port(host: str = "127.0.0.1") -> int:
+    """A free port below the kernel's ephemeral range, never handed out twice in one test run.
+
+    For servers whose peers connect to each other while the last of them is still starting (the
+    members of an etcd cluster): ``free_port`` takes a port from the range the kernel also gives
+    outgoing connections, so a member's own peer connection could take the port a sibling was
+    about to listen on ("bind: address already in use").
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in _quiet_handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _quiet_handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port below {low} on {host} after 200 tries")
 
 
 def base_env(**extra: str) -> dict[str, str]:
