@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -13,6 +14,22 @@ from tests.harness import Cluster
 # would see it ignored.  A caught signal is reset to the default by exec, as an agent's is.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+_PYTEST_PID = os.getpid()
+
+
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM (a CI time limit, ``timeout``) unwinds the test like Ctrl-C, so its context managers
+    and fixtures stop what it started: etcd members and agents run in sessions of their own, and
+    a killed pytest would leave them running.  A forked child takes the default action."""
+    if os.getpid() != _PYTEST_PID:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    raise KeyboardInterrupt(f"pytest got signal {signum}")
+
+
+signal.signal(signal.SIGTERM, _terminated)
 
 
 @pytest.fixture
