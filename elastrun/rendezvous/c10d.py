@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import json
 import os
 import threading
 import time
@@ -47,6 +46,8 @@ from elastrun.rendezvous.rounds import (
     CloseInputs,
     assign_ranks,
     close_size,
+    decode_result,
+    encode_result,
     judge_round_end,
     member_view,
     result_document,
@@ -442,10 +443,12 @@ class StoreRendezvousHandler(RendezvousHandler):
 
     def _prev_members(self, round_: int) -> list[str] | None:
         """Node ids of the members of round ``round_ - 1`` (None: no completed previous round)."""
+        if self._result is not None and self._result.round == round_ - 1:
+            return [m.node_id for m in self._result.members]  # this node's own copy of that round
         raw = None if round_ == 0 else self._read(self._r(round_ - 1, "result"))
         if raw is None:
             return None
-        doc = json.loads(raw)
+        doc = decode_result(raw)
         return None if doc.get("abort") else [m["node_id"] for m in doc["members"]]
 
     def _await_close(self, round_: int, idx: int, deadline: float) -> int:
@@ -582,7 +585,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         restarts_used = min(used, self.params.max_restarts) if abort is None else used
         doc = result_document(members, generation, restarts_used, self.params.max_restarts, abort, abort_code, lost,
                               lost_causes=causes)
-        self._put(self._r(round_, "result"), json.dumps(doc))
+        self._put(self._r(round_, "result"), encode_result(doc))
         if abort is not None:
             self._put(self._k("abort_code"), str(abort_code))
             self._put(self._k("abort"), abort)
@@ -604,7 +607,7 @@ class StoreRendezvousHandler(RendezvousHandler):
     def _await_result(self, round_: int, node: NodeInfo, deadline: float) -> RoundResult | None:
         """This node's view of closed round ``round_``; None when it turned out unusable for it."""
         try:
-            doc = json.loads(self._await_value(self._r(round_, "result"), deadline) or "{}")
+            doc = decode_result(self._await_value(self._r(round_, "result"), deadline) or "{}")
         except TimeoutError:
             raise self._timeout_error(round_) from None
         if doc.get("abort"):
