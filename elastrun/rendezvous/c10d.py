@@ -463,13 +463,21 @@ class StoreRendezvousHandler(RendezvousHandler):
         closable_since: float | None = None
         poll = _CLOSER_POLL if idx == 1 else _FOLLOWER_POLL
         next_check = time.monotonic() if idx == 1 else time.monotonic() + poll
+        # Whether ``closed`` is worth reading now: always for the first joiner; for the others once
+        # their wait saw the key (a wait that timed out costs no read: at thousands of waiting
+        # joiners each store operation per second of waiting counts).
+        look = True
+        held = False  # ``closed`` exists but is not authentic (forged): poll instead of waiting
         while True:
             now = time.monotonic()
             if now >= deadline:
                 raise self._timeout_error(round_)
-            closed = self._read(closed_key)
-            if closed is not None:
-                return int(closed.split(":")[0])
+            if look:
+                raw = self._peek(closed_key)
+                closed = None if raw is None else self._auth.open(closed_key, raw)
+                if closed is not None:
+                    return int(closed.split(":")[0])
+                held = raw is not None
             if self._error is not None:
                 raise self.store_lost_error(self._error)
             if now >= next_check:
@@ -514,10 +522,11 @@ class StoreRendezvousHandler(RendezvousHandler):
                     if value is not None:
                         return int(value.split(":")[0])
                 next_check = now + poll
-            if idx == 1 or self._exists(closed_key):
+            if idx == 1 or held:
                 time.sleep(_CLOSER_POLL)
+                look = True
             else:
-                self._wait(closed_key, min(_FOLLOWER_POLL, max(0.0, deadline - time.monotonic())))
+                look = self._wait(closed_key, max(0.0, min(next_check, deadline) - time.monotonic()))
 
     def _verified_close(
         self, round_: int, hints: CloseInputs, prev: list[str] | None, slots: _Slots
