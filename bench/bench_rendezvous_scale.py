@@ -325,6 +325,7 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
         setup_started = time.time()
         ready = read_lines(children)
         setup = time.time() - setup_started
+        print(f"{nodes} nodes connected in {setup:.1f} s; round starts", file=sys.stderr, flush=True)
         if sum(r.get("ready", 0) for r in ready) != nodes:
             raise RuntimeError(f"set-up incomplete: {ready}")
         connections = sum(1 for c in psutil.net_connections("tcp")

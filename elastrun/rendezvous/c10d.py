@@ -75,6 +75,17 @@ _FOLLOWER_POLL = 1.0
 #: joiner may have died).  Without it every joiner would re-check the whole round each second while
 #: the first one closes it: with a token that is n reads and HMACs per joiner, O(n²) per round.
 _FALLBACK_GRACE = 2.0
+
+
+def _follower_poll(idx: int) -> float:
+    """How often the joiner with arrival index ``idx`` > 1 re-checks its open round (job ended, fallback close).
+
+    Every second for the first few; further back, a quarter of its fallback grace (at most 4 s), so
+    thousands of waiting joiners do not each cost the store several operations per second.
+    """
+    return max(_FOLLOWER_POLL, _FALLBACK_GRACE * min(idx - 1, 8) / 4)
+
+
 #: How long a closer waits for a joiner's info after the round closed before leaving it out.
 _SLOT_WAIT = 5.0
 #: How long members wait for group rank 0 to publish the workers' store before giving up on it.
@@ -461,7 +472,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         slots = _Slots()
         min_reached: float | None = None
         closable_since: float | None = None
-        poll = _CLOSER_POLL if idx == 1 else _FOLLOWER_POLL
+        poll = _CLOSER_POLL if idx == 1 else _follower_poll(idx)
         next_check = time.monotonic() if idx == 1 else time.monotonic() + poll
         # Whether ``closed`` is worth reading now: always for the first joiner; for the others once
         # their wait saw the key (a wait that timed out costs no read: at thousands of waiting
