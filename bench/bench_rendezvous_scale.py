@@ -242,8 +242,16 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
     threads = [threading.Thread(target=join, args=(i,)) for i in sorted(handlers)]
     for t in threads:
         t.start()
+    given_up = time.monotonic() + ROUND_TIMEOUT
+    report_at = time.monotonic() + 30.0
     for t in threads:
-        t.join(ROUND_TIMEOUT)
+        while t.is_alive() and time.monotonic() < given_up:
+            t.join(1.0)
+            if time.monotonic() >= report_at:  # a round that drags says where (on the parent's stderr)
+                report_at += 30.0
+                waiting = sum(1 for t in threads if t.is_alive())
+                print(f"nodes {first}-{first + count - 1}: {waiting} still in the round, errors: {errors[:2]}",
+                      file=sys.stderr, flush=True)
     store_cpu_round = _store_thread_cpu() - store_cpu_go
     full = [i for i in ends if i % full_every == 0]
     ranks = sorted(r.group_rank for r in results.values())
@@ -317,7 +325,7 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
         argv = [PYTHON, "-m", "bench.bench_rendezvous_scale", "--child", str(port), str(starts[p]), str(share[p]),
                 str(nodes), str(beat_seconds), str(full_every)]
         children.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.DEVNULL, text=True))
+                                         stderr=None, text=True))
         if p == 0:
             time.sleep(1.0)  # let process 0 bind the store first
 
