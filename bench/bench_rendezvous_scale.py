@@ -67,10 +67,11 @@ class _SharedParse:
 
     def get(self, handler, round_: int, key: str, raw: bytes) -> tuple:
         from elastrun.rendezvous.api import Member
+        from elastrun.rendezvous.rounds import decode_result
 
         with self.lock:
             if round_ not in self.rounds:
-                doc = json.loads(handler._auth.open(key, raw))
+                doc = decode_result(handler._auth.open(key, raw))
                 members = [Member(**m) for m in doc["members"]]
                 ring = [m.node_id for m in sorted(members, key=lambda m: m.group_rank)]
                 self.rounds[round_] = (doc, members, ring, {m.node_id: m for m in members},
@@ -110,6 +111,14 @@ def light_handler_class():
     class LightHandler(StoreRendezvousHandler):
         shared = _SharedParse()
         beater: _Beater | None = None
+        #: Wall-clock phase marks of this process's light nodes: joins written, result fetched.
+        joined_at: list[float] = []
+        fetched_at: list[float] = []
+        result_bytes = 0
+
+        def _await_close(self, round_, idx, deadline):
+            self.joined_at.append(time.time())
+            return super()._await_close(round_, idx, deadline)
 
         def _start_link(self, node) -> None:
             node.link_port = 0  # one liveness link per real agent; a simulated node holds none
@@ -127,6 +136,8 @@ def light_handler_class():
                 if time.monotonic() >= deadline:
                     raise self._timeout_error(round_)
             raw = self._peek(key)  # the whole document comes over the wire, as for a full node
+            self.fetched_at.append(time.time())
+            LightHandler.result_bytes = len(raw)
             doc, members, ring, by_id, index, world = self.shared.get(self, round_, key, raw)
             me = by_id.get(node.node_id)
             if me is None or me.group_rank == 0:
@@ -177,6 +188,7 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
     from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
     from elastrun.rendezvous.c10d import StoreRendezvousHandler
     from elastrun.rendezvous.endpoint import split_endpoint
+    from elastrun.rendezvous.rounds import decode_result
 
     light = light_handler_class()
     light.beater = _Beater(0.5)
@@ -230,8 +242,16 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
     threads = [threading.Thread(target=join, args=(i,)) for i in sorted(handlers)]
     for t in threads:
         t.start()
+    given_up = time.monotonic() + ROUND_TIMEOUT
+    report_at = time.monotonic() + 30.0
     for t in threads:
-        t.join(ROUND_TIMEOUT)
+        while t.is_alive() and time.monotonic() < given_up:
+            t.join(1.0)
+            if time.monotonic() >= report_at:  # a round that drags says where (on the parent's stderr)
+                report_at += 30.0
+                waiting = sum(1 for t in threads if t.is_alive())
+                print(f"nodes {first}-{first + count - 1}: {waiting} still in the round, errors: {errors[:2]}",
+                      file=sys.stderr, flush=True)
     store_cpu_round = _store_thread_cpu() - store_cpu_go
     full = [i for i in ends if i % full_every == 0]
     ranks = sorted(r.group_rank for r in results.values())
@@ -239,10 +259,13 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
     closed_at = None
     if full:
         raw = handlers[full[0]]._read(handlers[full[0]]._r(0, "result"))
-        closed_at = json.loads(raw)["closed_at"] if raw else None
+        closed_at = decode_result(raw)["closed_at"] if raw else None
     print(json.dumps({"end": max(ends.values()) if ends else None, "joined": len(ends), "errors": errors[:3],
                       "full": len(full), "full_end": max((ends[i] for i in full), default=None),
                       "closed_at": closed_at, "ranks": ranks, "agree": agree,
+                      "joins_written": max(light.joined_at, default=None),
+                      "first_fetch": min(light.fetched_at, default=None),
+                      "last_fetch": max(light.fetched_at, default=None), "result_bytes": light.result_bytes,
                       "store_cpu_s": round(store_cpu_round, 3)}), flush=True)
     sys.stdin.readline()  # "beat": every process's nodes are heartbeating now
 
@@ -266,20 +289,19 @@ def parse_ms(nodes: int, token: bool) -> float:
     """What a light node skips, timed alone: open (with a token) and parse an n-member result, build its view."""
     from elastrun.rendezvous.api import Member, NodeInfo
     from elastrun.rendezvous.auth import JobToken, NoAuth
-    from elastrun.rendezvous.rounds import assign_ranks, member_view
+    from elastrun.rendezvous.rounds import assign_ranks, decode_result, encode_result, member_view, result_document
 
     members = assign_ranks([NodeInfo(f"node{i:05d}", "10.0.0.1", 8, hostname=f"h{i}", pid=i) for i in range(nodes)])
-    doc = {"members": [m.__dict__ for m in members], "generation": 0, "restarts_used": 0, "max_restarts": 0,
-           "abort": None, "lost": [], "closed_at": time.time(), "abort_code": 1}
+    doc = result_document(members, 0, 0, 0, None, 1, [])
     auth = JobToken(TOKEN.encode(), "bench") if token else None
     auth = auth.accept(auth.new_marker(), "bench") if auth else NoAuth("bench")
     key = auth.prefix + "r0/result"
-    raw = auth.seal(key, json.dumps(doc))
+    raw = auth.seal(key, encode_result(doc))
     raw = raw.encode() if isinstance(raw, str) else raw
     started = time.perf_counter()
     repeat = 5
     for _ in range(repeat):
-        d = json.loads(auth.open(key, raw))
+        d = decode_result(auth.open(key, raw))
         ms = [Member(**m) for m in d["members"]]
         me = next(m for m in ms if m.node_id == "node00007")
         member_view(0, d, ms, me, "10.0.0.1", 1234)
@@ -303,7 +325,7 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
         argv = [PYTHON, "-m", "bench.bench_rendezvous_scale", "--child", str(port), str(starts[p]), str(share[p]),
                 str(nodes), str(beat_seconds), str(full_every)]
         children.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.DEVNULL, text=True))
+                                         stderr=None, text=True))
         if p == 0:
             time.sleep(1.0)  # let process 0 bind the store first
 
@@ -311,10 +333,12 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
         setup_started = time.time()
         ready = read_lines(children)
         setup = time.time() - setup_started
+        print(f"{nodes} nodes connected in {setup:.1f} s; round starts", file=sys.stderr, flush=True)
         if sum(r.get("ready", 0) for r in ready) != nodes:
             raise RuntimeError(f"set-up incomplete: {ready}")
         connections = sum(1 for c in psutil.net_connections("tcp")
                           if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+        load = round(os.getloadavg()[0], 1)
         go = time.time()
         tell(children, "go")
         done = read_lines(children)
@@ -326,6 +350,10 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
         seconds = max(d["end"] for d in done) - go
         closed_at = next(d["closed_at"] for d in done if d.get("closed_at"))
         full_end = max(d["full_end"] for d in done if d.get("full_end"))
+        phases = {name: round(max(d[name] for d in done if d.get(name)) - go, 3)
+                  for name in ("joins_written", "last_fetch")}
+        phases["first_fetch"] = round(min(d["first_fetch"] for d in done if d.get("first_fetch")) - go, 3)
+        result_bytes = max(d.get("result_bytes", 0) for d in done)
         tell(children, "beat")
         beat_rows = read_lines(children)
         beats = sum(b.get("beats", 0) for b in beat_rows)
@@ -339,7 +367,9 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
                 c.kill()
                 c.wait()
     return {"nodes": nodes, "procs": procs, "token": token, "round_s": round(seconds, 3),
-            "closed_after_s": round(closed_at - go, 3), "full_nodes": sum(d["full"] for d in done),
+            "joins_written_s": phases["joins_written"], "closed_after_s": round(closed_at - go, 3),
+            "first_result_fetched_s": phases["first_fetch"], "last_result_fetched_s": phases["last_fetch"],
+            "result_bytes": result_bytes, "load_at_go": load, "full_nodes": sum(d["full"] for d in done),
             "full_nodes_done_s": round(full_end - go, 3), "parse_ms": round(parse_ms(nodes, token), 1),
             "store_cpu_in_round_s": done[0].get("store_cpu_s"),
             "setup_s": round(setup, 1), "store_connections": connections,
@@ -355,6 +385,7 @@ def auth_cost(nodes: int, repeat: int = 2000) -> dict:
 
     from elastrun.rendezvous.api import NodeInfo
     from elastrun.rendezvous.auth import JobToken
+    from elastrun.rendezvous.rounds import assign_ranks, encode_result, result_document
 
     token = JobToken(TOKEN.encode(), "bench")
     auth = token.accept(token.new_marker(), "bench")
@@ -364,8 +395,8 @@ def auth_cost(nodes: int, repeat: int = 2000) -> dict:
                              number=repeat) / repeat
     infos = [NodeInfo(f"node{i:05d}", "10.0.0.1", 8, hostname=f"h{i}", pid=i).to_json() for i in range(nodes)]
     sealed = [auth.seal(f"{auth.prefix}r0/node/{i}", v) for i, v in enumerate(infos)]
-    result = json.dumps({"members": [json.loads(v) | {"group_rank": i, "rank_offset": 8 * i}
-                                     for i, v in enumerate(infos)]})
+    result = encode_result(result_document(assign_ranks([NodeInfo.from_json(v) for v in infos]), 0, 0, 0, None,
+                                           1, []))
     rkey = auth.prefix + "r0/result"
     sealed_result = auth.seal(rkey, result)
 

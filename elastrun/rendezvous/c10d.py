@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import json
 import os
 import threading
 import time
@@ -47,6 +46,8 @@ from elastrun.rendezvous.rounds import (
     CloseInputs,
     assign_ranks,
     close_size,
+    decode_result,
+    encode_result,
     judge_round_end,
     member_view,
     result_document,
@@ -74,6 +75,17 @@ _FOLLOWER_POLL = 1.0
 #: joiner may have died).  Without it every joiner would re-check the whole round each second while
 #: the first one closes it: with a token that is n reads and HMACs per joiner, O(n²) per round.
 _FALLBACK_GRACE = 2.0
+
+
+def _follower_poll(idx: int) -> float:
+    """How often the joiner with arrival index ``idx`` > 1 re-checks its open round (job ended, fallback close).
+
+    Every second for the first few; further back, a quarter of its fallback grace (at most 4 s), so
+    thousands of waiting joiners do not each cost the store several operations per second.
+    """
+    return max(_FOLLOWER_POLL, _FALLBACK_GRACE * min(idx - 1, 8) / 4)
+
+
 #: How long a closer waits for a joiner's info after the round closed before leaving it out.
 _SLOT_WAIT = 5.0
 #: How long members wait for group rank 0 to publish the workers' store before giving up on it.
@@ -442,10 +454,12 @@ class StoreRendezvousHandler(RendezvousHandler):
 
     def _prev_members(self, round_: int) -> list[str] | None:
         """Node ids of the members of round ``round_ - 1`` (None: no completed previous round)."""
+        if self._result is not None and self._result.round == round_ - 1:
+            return [m.node_id for m in self._result.members]  # this node's own copy of that round
         raw = None if round_ == 0 else self._read(self._r(round_ - 1, "result"))
         if raw is None:
             return None
-        doc = json.loads(raw)
+        doc = decode_result(raw)
         return None if doc.get("abort") else [m["node_id"] for m in doc["members"]]
 
     def _await_close(self, round_: int, idx: int, deadline: float) -> int:
@@ -458,15 +472,23 @@ class StoreRendezvousHandler(RendezvousHandler):
         slots = _Slots()
         min_reached: float | None = None
         closable_since: float | None = None
-        poll = _CLOSER_POLL if idx == 1 else _FOLLOWER_POLL
+        poll = _CLOSER_POLL if idx == 1 else _follower_poll(idx)
         next_check = time.monotonic() if idx == 1 else time.monotonic() + poll
+        # Whether ``closed`` is worth reading now: always for the first joiner; for the others once
+        # their wait saw the key (a wait that timed out costs no read: at thousands of waiting
+        # joiners each store operation per second of waiting counts).
+        look = True
+        held = False  # ``closed`` exists but is not authentic (forged): poll instead of waiting
         while True:
             now = time.monotonic()
             if now >= deadline:
                 raise self._timeout_error(round_)
-            closed = self._read(closed_key)
-            if closed is not None:
-                return int(closed.split(":")[0])
+            if look:
+                raw = self._peek(closed_key)
+                closed = None if raw is None else self._auth.open(closed_key, raw)
+                if closed is not None:
+                    return int(closed.split(":")[0])
+                held = raw is not None
             if self._error is not None:
                 raise self.store_lost_error(self._error)
             if now >= next_check:
@@ -511,10 +533,11 @@ class StoreRendezvousHandler(RendezvousHandler):
                     if value is not None:
                         return int(value.split(":")[0])
                 next_check = now + poll
-            if idx == 1 or self._exists(closed_key):
+            if idx == 1 or held:
                 time.sleep(_CLOSER_POLL)
+                look = True
             else:
-                self._wait(closed_key, min(_FOLLOWER_POLL, max(0.0, deadline - time.monotonic())))
+                look = self._wait(closed_key, max(0.0, min(next_check, deadline) - time.monotonic()))
 
     def _verified_close(
         self, round_: int, hints: CloseInputs, prev: list[str] | None, slots: _Slots
@@ -582,7 +605,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         restarts_used = min(used, self.params.max_restarts) if abort is None else used
         doc = result_document(members, generation, restarts_used, self.params.max_restarts, abort, abort_code, lost,
                               lost_causes=causes)
-        self._put(self._r(round_, "result"), json.dumps(doc))
+        self._put(self._r(round_, "result"), encode_result(doc))
         if abort is not None:
             self._put(self._k("abort_code"), str(abort_code))
             self._put(self._k("abort"), abort)
@@ -604,7 +627,7 @@ class StoreRendezvousHandler(RendezvousHandler):
     def _await_result(self, round_: int, node: NodeInfo, deadline: float) -> RoundResult | None:
         """This node's view of closed round ``round_``; None when it turned out unusable for it."""
         try:
-            doc = json.loads(self._await_value(self._r(round_, "result"), deadline) or "{}")
+            doc = decode_result(self._await_value(self._r(round_, "result"), deadline) or "{}")
         except TimeoutError:
             raise self._timeout_error(round_) from None
         if doc.get("abort"):

@@ -7,8 +7,11 @@ and the rules are unit-testable.  docs/rendezvous-protocol.md explains them.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import json
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,12 +126,88 @@ def result_document(
     members: list[Member], generation: int, restarts_used: int, max_restarts: int, abort: str | None,
     abort_code: int, lost: list[str], **extra: Any,
 ) -> dict[str, Any]:
-    """The result of a closed round as every backend stores it (JSON); ``member_view`` reads it back."""
+    """The result of a closed round as a dict; :func:`encode_result` turns it into the stored text."""
     return {
         "members": [dataclasses.asdict(m) for m in members], "generation": generation,
         "restarts_used": restarts_used, "max_restarts": max_restarts, "abort": abort, "abort_code": abort_code,
         "lost": lost, "closed_at": time.time(), **extra,
     }  # fmt: skip
+
+
+#: Marks an encoded result document (see :func:`encode_result`); plain JSON starts with ``{``.
+RESULT_CODEC = "z1:"
+#: Longest decoded result accepted (a forged value must not make a reader inflate gigabytes).
+_MAX_RESULT_BYTES = 64 << 20
+
+
+def encode_result(doc: dict[str, Any]) -> str:
+    """The stored text of a result document: its members as rows, compressed.
+
+    Every member reads the whole document, so its size is paid n times per round.  A member is
+    stored as the row ``[node_id, addr, nproc, role index, hostname, link_port]`` in group-rank
+    order: the group rank is the row's position, and the global and role rank offsets follow from
+    the rows before it (:func:`assign_ranks` makes them so).  The JSON is zlib-compressed and
+    base64-encoded behind ``z1:`` (values are text).  A member list that does not follow those
+    rules is stored as plain JSON instead; :func:`decode_result` reads both.
+    """
+    members = doc["members"]
+    if not _derivable(members):
+        return json.dumps(doc)
+    roles = list(dict.fromkeys(m["role"] for m in members))
+    index = {role: i for i, role in enumerate(roles)}
+    body = {k: v for k, v in doc.items() if k != "members"}
+    body["roles"] = roles
+    body["rows"] = [[m["node_id"], m["addr"], m["nproc"], index[m["role"]], m["hostname"], m["link_port"]]
+                    for m in members]
+    packed = zlib.compress(json.dumps(body, separators=(",", ":")).encode(), 6)
+    return RESULT_CODEC + base64.b64encode(packed).decode("ascii")
+
+
+def _derivable(members: list[dict[str, Any]]) -> bool:
+    """Whether each member's ranks are what its row position gives (see :func:`encode_result`)."""
+    offset = 0
+    role_offsets: dict[str, int] = {}
+    for rank, m in enumerate(members):
+        role = m["role"]
+        if (m["group_rank"], m["rank_offset"], m["role_rank_offset"]) != (rank, offset, role_offsets.get(role, 0)):
+            return False
+        offset += m["nproc"]
+        role_offsets[role] = role_offsets.get(role, 0) + m["nproc"]
+    return True
+
+
+def decode_result(text: str | bytes) -> dict[str, Any]:
+    """The result document stored as ``text`` (either form :func:`encode_result` writes).
+
+    Raises ``ValueError`` for a value that is neither.
+    """
+    if isinstance(text, bytes):
+        text = text.decode()
+    if not text.startswith(RESULT_CODEC):
+        return json.loads(text)
+    inflate = zlib.decompressobj()
+    try:
+        raw = inflate.decompress(base64.b64decode(text[len(RESULT_CODEC):], validate=True), _MAX_RESULT_BYTES)
+    except (zlib.error, ValueError) as exc:
+        raise ValueError(f"result document cannot be decoded: {exc}") from None
+    if inflate.unconsumed_tail:
+        raise ValueError(f"result document larger than {_MAX_RESULT_BYTES} bytes")
+    body = json.loads(raw)
+    roles = body.pop("roles")
+    members = []
+    offset = 0
+    role_offsets: dict[str, int] = {}
+    for rank, (node_id, addr, nproc, role_index, hostname, link_port) in enumerate(body.pop("rows")):
+        role = roles[role_index]
+        members.append({
+            "node_id": node_id, "addr": addr, "group_rank": rank, "nproc": nproc, "rank_offset": offset,
+            "role": role, "role_rank_offset": role_offsets.get(role, 0), "hostname": hostname,
+            "link_port": link_port,
+        })  # fmt: skip
+        offset += nproc
+        role_offsets[role] = role_offsets.get(role, 0) + nproc
+    body["members"] = members
+    return body
 
 
 def timeout_error(

@@ -26,6 +26,7 @@ from typing import Any
 from elastrun.rendezvous.api import JobNotFoundError, RendezvousConnectionError, RendezvousError, RendezvousParameters
 from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth, load_token
 from elastrun.rendezvous.endpoint import split_endpoint
+from elastrun.rendezvous.rounds import decode_result
 from elastrun.rendezvous.status_doc import node_row, status_document
 
 #: A member whose heartbeat is older than this is shown as ``silent`` (the default heartbeat
@@ -123,7 +124,7 @@ def _latest_result(r: _Reader, open_round: int) -> tuple[int, dict[str, Any]] | 
         raw = r.text(r.key(f"r{round_}", "result"))
         if raw is None:
             continue
-        result = json.loads(raw)
+        result = decode_result(raw)
         if not result.get("abort"):
             return round_, result
     return None

@@ -1,7 +1,23 @@
 """The pure rules of a round: closing, rank assignment, budget charging, root cause."""
 
+import base64
+import json
+import zlib
+
+import pytest
+
 from elastrun.rendezvous.api import FailureRecord, NodeInfo
-from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, format_failure, is_charged, root_cause
+from elastrun.rendezvous.rounds import (
+    CloseInputs,
+    assign_ranks,
+    close_size,
+    decode_result,
+    encode_result,
+    format_failure,
+    is_charged,
+    result_document,
+    root_cause,
+)
 
 
 def _inputs(**kw):
@@ -115,3 +131,33 @@ def test_a_failure_recorded_after_a_stop_for_a_joiner_is_not_charged():
     assert (grown.restarts_used, grown.abort, grown.no_progress_streak) == (0, None, 0)
     both = judge_round_end("job", [consequence, _failure(True, 0.5)], 0, 0, 0, max_restarts=0, crash_loop_limit=3)
     assert both.restarts_used == 1 and "restart budget (--max-restarts=0) is spent" in both.abort
+
+
+def _result(n: int) -> dict:
+    nodes = [NodeInfo(f"node-{i}", f"10.0.0.{i}", 1 + i % 3, role="a" if i % 2 else "b", hostname=f"h{i}",
+                      link_port=30000 + i, prev_group_rank=n - 1 - i) for i in range(n)]
+    return result_document(assign_ranks(nodes), 3, 1, 5, None, 1, ["gone-1"], lost_causes={"gone-1": "link"},
+                           no_progress_streak=2)
+
+
+def test_result_document_round_trips_through_its_compact_encoding():
+    doc = _result(64)
+    text = encode_result(doc)
+    assert text.startswith("z1:") and len(text) < len(json.dumps(doc)) / 3
+    assert decode_result(text) == doc
+    assert decode_result(text.encode()) == doc
+
+
+def test_result_with_ranks_the_rows_cannot_express_is_stored_as_plain_json():
+    doc = _result(8)
+    doc["members"] = list(reversed(doc["members"]))
+    text = encode_result(doc)
+    assert text.startswith("{") and decode_result(text) == doc
+
+
+def test_a_result_that_inflates_past_the_limit_is_refused():
+    bomb = "z1:" + base64.b64encode(zlib.compress(b" " * (65 << 20))).decode()
+    with pytest.raises(ValueError, match="larger than"):
+        decode_result(bomb)
+    with pytest.raises(ValueError, match="cannot be decoded"):
+        decode_result("z1:not-base64!")

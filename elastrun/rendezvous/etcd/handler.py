@@ -87,6 +87,8 @@ from elastrun.rendezvous.rounds import (
     CloseInputs,
     assign_ranks,
     close_size,
+    decode_result,
+    encode_result,
     judge_round_end,
     member_view,
     result_document,
@@ -507,7 +509,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _closed_round(self, round_: int, found: str) -> dict:
         """The result document of ``round_`` (authentic text ``found``); a job ended by it fails here."""
         self._watch_as_closer(round_, False)
-        doc = json.loads(found)
+        doc = decode_result(found)
         if doc.get("abort"):
             raise JobFailedError("the job was ended", doc["abort"], int(doc.get("abort_code", 1)))
         return doc
@@ -570,7 +572,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             found = self._open(self._retry(lambda: self._kv.get(self._r(round_ - 1, "result")), deadline,
                                            "read the round"))
             if found is not None:
-                prev_doc = json.loads(found)
+                prev_doc = decode_result(found)
                 prev_members = [m["node_id"] for m in prev_doc["members"]]
         if prev_doc is not None:
             old = self._r(round_ - 1, "")
@@ -611,7 +613,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                                       self.params.max_restarts, self.params.crash_loop_limit)
             used, streak = verdict.restarts_used, verdict.no_progress_streak
             abort, abort_code = verdict.abort, verdict.abort_code
-        doc = json.dumps(result_document(members, generation, used, self.params.max_restarts, abort, abort_code,
+        doc = encode_result(result_document(members, generation, used, self.params.max_restarts, abort, abort_code,
                                          lost, no_progress_streak=streak,
                                          lost_causes=causes))
         def put(key: str, value: str) -> dict[str, Any]:
@@ -1017,7 +1019,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if open_round > 0:
             found = self._open(self._kv.get(f"{q}r{open_round - 1}/result"))
             if found is not None:
-                result = json.loads(found)
+                result = decode_result(found)
                 doc.update(round=open_round - 1, generation=result["generation"],
                            restarts_used=result["restarts_used"])
                 alive = {kv.key.rsplit("/", 1)[1] for kv in self._kv.range(

@@ -35,6 +35,7 @@ from elastrun.rendezvous.api import JobNotFoundError, RendezvousConnectionError,
 from elastrun.rendezvous.auth import JobToken, load_token
 from elastrun.rendezvous.etcd.client import EtcdClient, EtcdSettings, EtcdUnavailable, Shared, prefix_end
 from elastrun.rendezvous.etcd.settings import parse_config, parse_endpoints, require_client
+from elastrun.rendezvous.rounds import decode_result
 from elastrun.rendezvous.status_doc import node_row, status_document
 
 #: What the document shows of a node waiting in the open round (from its NodeInfo).
@@ -162,7 +163,7 @@ def _latest_result(job: dict[str, Any], open_round: int) -> tuple[int, dict[str,
     for round_ in rounds:
         if round_ >= open_round:
             continue
-        result = json.loads(job[f"r{round_}/result"].value)
+        result = decode_result(job[f"r{round_}/result"].value)
         if not result.get("abort"):
             return round_, result
     return None
