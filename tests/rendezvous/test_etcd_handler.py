@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -89,6 +90,9 @@ def test_each_agent_watches_only_what_it_acts_on():
             for t in threads:
                 t.join(60)
             assert len(results) == nodes
+            # Before the ring watches start (each may replay its successor's join from the agent's last read).
+            non_closers = [h for h in handlers if not any("/join/" in e.key for e in h._watch.since(0) or [])]
+            assert len(non_closers) >= nodes - 1, "only the closer may see the joins of a round"
             q = handlers[0]._q
             ring = [m.node_id for m in sorted(results[0].members, key=lambda m: m.group_rank)]
             for i, h in enumerate(handlers):
@@ -99,8 +103,6 @@ def test_each_agent_watches_only_what_it_acts_on():
                     "round": (q + "r0/left/", q + "r0/store\0"),
                     "ring": (q + f"r0/join/{successor}", q + f"r0/join/{successor}\0"),
                 }
-            non_closers = [h for h in handlers if not any("/join/" in e.key for e in h._watch.since(0) or [])]
-            assert len(non_closers) >= nodes - 1, "only the closer may see the joins of a round"
             # A node dies (its lease is revoked): its predecessor notices, every other member is told.
             victim = 2
             handlers[victim]._keeper.stop()
@@ -118,3 +120,77 @@ def test_each_agent_watches_only_what_it_acts_on():
         finally:
             for h in handlers:
                 h.close()
+
+
+def _count_requests(monkeypatch) -> collections.Counter:
+    """Count the requests this process's etcd clients send, by path and outcome (observes, changes nothing)."""
+    from elastrun.rendezvous.etcd.client import EtcdClient, LeaseNotFound
+
+    counts: collections.Counter = collections.Counter()
+    lock = threading.Lock()
+    request = EtcdClient.request
+
+    def counted(self, path: str, body: dict) -> dict:
+        with lock:
+            counts[path] += 1
+        try:
+            return request(self, path, body)
+        except LeaseNotFound:
+            with lock:
+                counts[path + " lease not found"] += 1
+            raise
+
+    monkeypatch.setattr(EtcdClient, "request", counted)
+    return counts
+
+
+@needs_etcd
+def test_first_agents_start_one_incarnation_with_one_job_lease(monkeypatch):
+    """Agents that start a job together: one claims the start, the others wait for its incarnation;
+    no agent grants a job lease only to lose a race and revoke it."""
+    nodes = 6
+    with EtcdCluster(1) as cluster:
+        conf = {"lease_ttl": "10"}  # the race is what is measured here, not liveness on a loaded machine
+        handlers = [create_handler(RendezvousParameters("etcd", cluster.endpoints, "race", nodes, nodes, config=conf))
+                    for _ in range(nodes)]
+        counts = _count_requests(monkeypatch)
+        results: dict[int, object] = {}
+        go = threading.Barrier(nodes)
+
+        def join(i: int) -> None:
+            go.wait(10)
+            results[i] = handlers[i].next_round(NodeInfo(f"n{i}", "127.0.0.1", 1))
+
+        try:
+            threads = [threading.Thread(target=join, args=(i,)) for i in range(nodes)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert len(results) == nodes
+            assert len({h._epoch for h in handlers}) == 1
+            assert counts["/lease/grant"] == nodes + 1, counts  # one lease per agent, one for the job
+            assert counts["/kv/lease/revoke"] == 0, counts
+        finally:
+            for h in handlers:
+                h.close()
+        assert cluster.list_keys() == []
+
+
+@needs_etcd
+def test_lost_lease_is_replaced_once_not_retried_in_a_loop(monkeypatch):
+    """A registration that finds its lease gone asks etcd which lease it was and grants one new one,
+    instead of retrying with the dead lease until the keep-alive thread notices."""
+    with EtcdCluster(1) as cluster:
+        handler = create_handler(_params(cluster.endpoints, "relost"))
+        try:
+            first = handler.next_round(NodeInfo("a", "127.0.0.1", 1))
+            counts = _count_requests(monkeypatch)
+            handler._keeper.stop()  # nothing renews or checks the lease from here on
+            handler._kv.revoke(handler._lease)  # as if it had expired
+            second = handler.next_round(NodeInfo("a", "127.0.0.1", 1))
+            assert (first.round, second.round) == (0, 1)
+            assert counts["/lease/grant"] == 1, counts
+            assert counts["/kv/txn lease not found"] == 1, counts
+        finally:
+            handler.close()

@@ -64,6 +64,7 @@ from elastrun.rendezvous.api import (
 )
 from elastrun.rendezvous.auth import JobAuth, JobToken, JobTokenRejected, NoAuth, load_token
 from elastrun.rendezvous.endpoint import host_worker_store, route_address
+from elastrun.rendezvous.etcd.backoff import Backoff
 from elastrun.rendezvous.etcd.client import (
     KV,
     EtcdClient,
@@ -74,6 +75,7 @@ from elastrun.rendezvous.etcd.client import (
     Shared,
     WatchSet,
     cmp_absent,
+    cmp_lease,
     cmp_mod,
     cmp_range_empty,
     op_delete,
@@ -216,8 +218,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
                   kind="forged_value", key=key, why=why)
 
     def _retry(self, op, deadline: float, what: str):
-        """Run ``op()`` until etcd answers or ``deadline``; then a connection error naming the endpoints."""
-        delay = 0.1
+        """Run ``op()`` until etcd answers or ``deadline``; then a connection error naming the endpoints.
+
+        Waits between tries back off with jitter (:mod:`.backoff`): a job's agents that all saw
+        an overloaded etcd time out must not all come back at once.
+        """
+        backoff = Backoff(0.1, 2.0)
         while True:
             try:
                 result = op()
@@ -226,6 +232,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     self._warned_wait = False
                 return result
             except EtcdUnavailable as exc:
+                delay = backoff.delay()
                 if time.monotonic() + delay >= deadline:
                     raise RendezvousConnectionError(
                         f"could not reach etcd at {self.endpoints_text} to {what} within the time allowed "
@@ -236,7 +243,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     self._warn(f"etcd unreachable at {self.endpoints_text} ({exc}); retrying with back-off")
                     self._warned_wait = True
                 time.sleep(delay)
-                delay = min(2.0, delay * 2)
             except (RendezvousConfigError, LeaseNotFound, _Reregister, JobFailedError, JobFinishedError):
                 raise
             except RendezvousError as exc:
@@ -260,7 +266,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         assert self._node is not None
         if self._keeper is None:
             self._keeper = LeaseKeeper(
-                EtcdClient(self.settings, self._shared), float(self.conf["keepalive_interval"]),
+                EtcdClient(self._keepalive_settings(), self._shared), float(self.conf["keepalive_interval"]),
                 float(self.conf["job_ttl"]) / 10, self._warn,
             )
             self._keeper.start()
@@ -270,19 +276,30 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._lease = self._retry(lambda: self._kv.grant(int(self.conf["lease_ttl_int"])), deadline,
                                       "grant a lease")
             self._keeper.set_leases(self._lease, self._job_lease)
+        backoff = Backoff(0.05, 1.0)
         while True:
             if time.monotonic() >= deadline:
                 raise RendezvousTimeoutError(f"could not register with etcd at {self.endpoints_text} in time")
-            if self._retry(lambda: self._try_register(), deadline, "register this agent"):
+            if self._retry(lambda: self._try_register(deadline), deadline, "register this agent"):
                 break
+            time.sleep(min(backoff.delay(), max(0.0, deadline - time.monotonic())))
         self._keeper.set_leases(self._lease, self._job_lease)
 
-    def _try_register(self) -> bool:
+    def _keepalive_settings(self) -> EtcdSettings:
+        """The keep-alive thread's settings: a renewal that has not answered within half the lease's
+        TTL is abandoned and tried again (on the next member, if any) while the lease still lives."""
+        half_ttl = float(self.conf["lease_ttl"]) / 2
+        return dataclasses.replace(self.settings, request_timeout=min(self.settings.request_timeout,
+                                                                      max(1.0, half_ttl)))
+
+    def _try_register(self, deadline: float) -> bool:
+        """One try at registering; False when something changed under it (the caller backs off)."""
         assert self._node is not None
         me = json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
-        agent_key = self._p + "agents/" + self._node.node_id
-        epoch_read, (_, live) = self._kv.read_many([op_range(self._p + "epoch"), self._agents_op()])
-        epoch = _first(epoch_read)
+        agent_key, claim_key = self._p + "agents/" + self._node.node_id, self._p + "claim"
+        epoch_read, (_, live), claim_read = self._kv.read_many(
+            [op_range(self._p + "epoch"), self._agents_op(), op_range(claim_key)])
+        epoch, claim = _first(epoch_read), _first(claim_read)
         self._job_state = None
         if epoch is not None:
             doc = json.loads(epoch.value)
@@ -296,22 +313,47 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     self._adopt(doc["id"], int(doc["lease"]), epoch.mod_revision)
                     self._job_state = [r if r is not None else ([], 0) for r in reads[1:]]
                 return ok
-        # No live agent: this is a new job; start a fresh incarnation (and drop a crashed one's keys).
+        # No live agent: a new job, or a crashed one's keys are left.  One agent claims the start
+        # (with its own lease, so the claim goes if it dies); the others wait for its incarnation
+        # instead of each granting a job lease, losing the race and revoking it.
+        guard = [cmp_mod(self._p + "epoch", epoch.mod_revision if epoch else 0), cmp_range_empty(self._p + "agents/")]
+        if claim is not None and claim.lease != self._lease:
+            self._await_start(deadline)
+            return False
+        if claim is None and not self._kv.txn([*guard, cmp_absent(claim_key)],
+                                              [op_put(claim_key, self._node.node_id, self._lease)]):
+            return False
         job_lease = self._kv.grant(int(self.conf["job_ttl"]))
         new_id = uuid.uuid4().hex[:12]
-        compare = [cmp_mod(self._p + "epoch", epoch.mod_revision if epoch else 0), cmp_range_empty(self._p + "agents/")]
         fresh = {"id": new_id, "lease": job_lease, "auth": self._token.new_marker()}
-        ok = self._kv.txn(compare, [op_delete_prefix(self._p + "e/"),
-                                    op_put(self._p + "epoch", json.dumps(fresh), job_lease),
-                                    op_put(agent_key, me, self._lease)])
+        ok, reads = self._kv.txn_reads(
+            [*guard, cmp_lease(claim_key, self._lease)],
+            [op_delete_prefix(self._p + "e/"), op_put(self._p + "epoch", json.dumps(fresh), job_lease),
+             op_put(agent_key, me, self._lease), op_delete(claim_key), op_range(self._p + "epoch")],
+            [op_range(claim_key)])
         if not ok:
             self._kv.revoke(job_lease)
+            if reads and reads[0] and reads[0][0] and reads[0][0][0].lease == self._lease:
+                self._kv.txn([cmp_lease(claim_key, self._lease)], [op_delete(claim_key)])  # let the others try
             return False
         self._accept(fresh)
-        epoch = self._kv.get(self._p + "epoch")
-        self._adopt(new_id, job_lease, epoch.mod_revision if epoch else 0)
+        created = _first(reads[-1]) if reads[-1] else None
+        self._adopt(new_id, job_lease, created.mod_revision if created else 0)
         self._job_state = [([], 0)] * 3  # a fresh incarnation has no state yet
         return True
+
+    def _await_start(self, deadline: float) -> None:
+        """Another agent claimed the start of the incarnation: wait on a watch of ``P/epoch`` until it
+        is written, for at most one lease TTL (the claimer may have died: its claim then expires)."""
+        if self._watch is None:
+            self._watch = WatchSet(lambda: EtcdClient(self.settings, self._shared))
+        key = self._p + "epoch"
+        cursor = self._watch.seq
+        self._watch.watch("start", key, _just(key), self._kv.revision + 1)
+        until = min(deadline, time.monotonic() + float(self.conf["lease_ttl"]))
+        while self._watch.seq == cursor and time.monotonic() < until:
+            self._watch.wait(cursor, until - time.monotonic())
+        self._watch.unwatch("start")
 
     def _accept(self, epoch_doc: dict) -> None:
         """Check this node's token against the incarnation's auth marker and take its sealer.
@@ -336,6 +378,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._q = f"{self._p}e/{epoch_id}/"
         if self._watch is None:
             self._watch = WatchSet(lambda: EtcdClient(self.settings, self._shared))
+        if "job" not in self._watch.ranges():
             # The job's own keys: abort, abort_code, current, finished.
             self._watch.watch("job", self._q + "abort", _just(self._q + "finished"), self._kv.revision + 1)
             assert self._keeper is not None
@@ -356,18 +399,48 @@ class EtcdRendezvousHandler(RendezvousHandler):
         node.link_port = self._link.port if self._link is not None else 0
         if self._result is not None:
             node.prev_group_rank = self._result.group_rank
+        backoff = Backoff(0.25, 4.0)
         while True:
             try:
                 self._register(deadline)
                 result = self._join_rounds(node, deadline)
                 break
-            except (_Reregister, LeaseNotFound):
-                self._lease = 0 if self._keeper is None or self._keeper.lost else self._lease
-                if self._keeper is not None and self._keeper.job_lost:
-                    self._lease, self._epoch = 0, None
-                continue
+            except (_Reregister, LeaseNotFound) as exc:
+                self._forget_lost_leases(isinstance(exc, LeaseNotFound), deadline)
+            # Registering again costs a lease grant and two transactions: when etcd was too slow to
+            # renew the leases, every agent lost its lease at once; spread their returns out.
+            pause = backoff.delay()
+            if time.monotonic() + pause >= deadline:
+                raise RendezvousTimeoutError(
+                    f"rendezvous of job {self.run_id!r} did not complete within {self.join_timeout:g} s "
+                    f"(join_timeout): this agent's membership in etcd at {self.endpoints_text} kept vanishing "
+                    "(its lease expired: etcd too slow to renew it?); give etcd more CPU or raise --rdzv-conf "
+                    "lease_ttl"
+                )
+            time.sleep(pause)
         result.duration = time.monotonic() - started
         return result
+
+    def _forget_lost_leases(self, not_found: bool, deadline: float) -> None:
+        """After this agent's membership vanished: drop the lease (agent or job) that etcd no longer
+        knows, so the next registration grants a new one instead of failing on the old one again.
+
+        ``not_found``: a write named a lease etcd does not know, and the keep-alive thread may not
+        have seen it yet: one renewal tells whether it was the agent's (else the job's).
+        """
+        keeper = self._keeper
+        agent_lost = keeper is None or keeper.lost
+        job_lost = keeper is not None and keeper.job_lost
+        if not_found and not agent_lost and not job_lost and self._lease:
+            try:
+                agent_lost = self._kv.keepalive(self._lease) <= 0
+            except RendezvousError:
+                agent_lost = True  # unknown: a new lease costs one grant; the old one expires on its own
+            job_lost = not agent_lost
+        if agent_lost or job_lost:
+            self._lease = 0
+        if job_lost:
+            self._epoch = None
 
     def _join_rounds(self, node: NodeInfo, deadline: float) -> RoundResult:
         assert self._watch is not None
