@@ -632,7 +632,7 @@ class LeaseKeeper(threading.Thread):
         # at random moments so that a job's agents do not retry in step; during an outage, about
         # once a second, so that its end is noticed soon.
         cap = min(1.0, self.interval)
-        retry = Backoff(cap / 4, cap)
+        retry = Backoff(cap / 2, cap)
         while not self._stop_event.is_set():
             preferred = self.client.shared.preferred
             wait = self.interval
