@@ -72,6 +72,8 @@ def _count_requests() -> collections.Counter:
                 "/kv/lease/revoke": "lease revoke"}.get(path, path)
         if kind == "txn" and all("request_range" in op for op in body.get("success", [])):
             kind = "txn (reads only)"
+        if kind == "lease grant" and int(body.get("TTL", 0)) >= 60:
+            kind = "lease grant (job)"  # job_ttl; an agent's lease has lease_ttl
         with lock:
             counts[kind] += 1
         try:

@@ -194,3 +194,51 @@ def test_lost_lease_is_replaced_once_not_retried_in_a_loop(monkeypatch):
             assert counts["/kv/txn lease not found"] == 1, counts
         finally:
             handler.close()
+
+
+def _round_together(handlers: dict[str, object], timeout: float = 60) -> dict[str, object]:
+    """``next_round`` on every handler at once (one thread each); their results by node id."""
+    results: dict[str, object] = {}
+
+    def join(node: str) -> None:
+        results[node] = handlers[node].next_round(NodeInfo(node, "127.0.0.1", 1))
+
+    threads = [threading.Thread(target=join, args=(n,)) for n in handlers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert set(results) == set(handlers)
+    return results
+
+
+@needs_etcd
+def test_member_whose_lease_expired_as_its_round_closed_takes_its_place_back():
+    """A lease that expires between the close of a round and the member taking its place (etcd too
+    slow to renew it) costs that member a new lease, not the whole group a new round; once a peer
+    has declared it lost, it goes to the next round and the peer with it."""
+    with EtcdCluster(1) as cluster:
+        conf = {"join_timeout": "30"}  # without the fix, a waits for b in round 1 until this
+        a, b = (create_handler(RendezvousParameters("etcd", cluster.endpoints, "late", 2, 2, config=conf))
+                for _ in range(2))
+        try:
+            assert {r.round for r in _round_together({"a": a, "b": b}).values()} == {0}
+            # As if a's lease had expired while it was still taking its place in round 0:
+            a._joining, a._round, a._result, a._members = 0, None, None, set()
+            a._kv.revoke(a._lease)
+            again = a.next_round(NodeInfo("a", "127.0.0.1", 1))
+            assert (again.round, again.group_world_size) == (0, 2)
+            keys = cluster.list_keys()
+            assert any(k.endswith("/r0/join/a") for k in keys)
+            assert not any("/r0/next/" in k or "/r0/lost/" in k for k in keys), keys
+            # Again, but b notices first (its ring watch finds a's join key gone) and declares a lost.
+            a._joining, a._round, a._result, a._members = 0, None, None, set()
+            a._kv.revoke(a._lease)
+            deadline = time.monotonic() + 20
+            while b.poll().lost_nodes != ["a"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert any(k.endswith("/r0/lost/a") for k in cluster.list_keys())
+            assert {r.round for r in _round_together({"a": a, "b": b}).values()} == {1}
+        finally:
+            a.close()
+            b.close()
