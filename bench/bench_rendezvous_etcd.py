@@ -24,8 +24,12 @@ fsync takes well under a millisecond, and this VM's shared virtual disk is no mo
 64 agents the disk made no difference beyond the noise (1.72 s on it, 0.9-1.7 s on tmpfs): the
 round is bound by CPU.  ``--disk`` puts the data directory in ``/tmp`` instead.
 
+``--busy K`` runs K busy loops beside it all, to overload the member (docs/etcd.md, "When etcd is
+overloaded").  A round that does not form by ``join_timeout`` is reported with the number of
+agents done and their first errors; failed requests are counted by cause, job-lease grants apart.
+
 Run: ``.venv/bin/python -m bench.bench_rendezvous_etcd [--procs 4] [--repeat 3] [--token] [--disk]
-[--conf KEY=VALUE,...] [N ...]`` (default 2 8 32; ``--conf`` is the agents' ``--rdzv-conf``).
+[--busy K] [--conf KEY=VALUE,...] [N ...]`` (default 2 8 32; ``--conf`` is the agents' ``--rdzv-conf``).
 """
 
 from __future__ import annotations
@@ -225,28 +229,36 @@ def main() -> None:
     parser.add_argument("--token", action="store_true", help="every agent holds a job token")
     parser.add_argument("--disk", action="store_true", help="etcd's data directory in /tmp, not on tmpfs")
     parser.add_argument("--no-detection", action="store_true", help="skip the lost-node detection")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="busy loops competing for the CPU during the rounds (an overloaded etcd)")
     parser.add_argument("--conf", default="", help="the agents' --rdzv-conf (KEY=VALUE,...); default: the defaults")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # ``timeout``: still stop etcd and remove its data
     from tests.rendezvous.etcd_cluster import EtcdCluster
 
     data_root = None if args.disk or not os.path.isdir("/dev/shm") else "/dev/shm"
-    with EtcdCluster(1, data_root=data_root) as cluster:
-        print(json.dumps({"etcd_data_dir": str(cluster.dir)}), flush=True)
-        for n in args.nodes:
-            rows = [one_round(cluster, n, args.procs, args.token, r, args.conf) for r in range(args.repeat)]
-            for row in rows:
-                print(json.dumps(row), flush=True)
-            if any(r["agents_done"] != n for r in rows):
-                print(f"round with {n} agents: {sum(r['agents_done'] != n for r in rows)} of {len(rows)} rounds "
-                      "did not complete (see errors above)", flush=True)
-            times = sorted(r["round_s"] for r in rows)
-            print(f"round with {n} agents in {rows[0]['procs']} processes: median {statistics.median(times):.3f} s "
-                  f"(min {times[0]:.3f}, max {times[-1]:.3f})", flush=True)
-        if not args.no_detection:
-            detections = sorted(kill_detection(cluster.endpoints) for _ in range(3))
-            print(f"SIGKILLed agent detected after: {', '.join(f'{d:.2f}' for d in detections)} s")
-        print(f"keys left under /elastrun/ after all agents closed: {len(cluster.list_keys())}")
+    busy = [subprocess.Popen([PYTHON, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        with EtcdCluster(1, data_root=data_root) as cluster:
+            print(json.dumps({"etcd_data_dir": str(cluster.dir)}), flush=True)
+            for n in args.nodes:
+                rows = [one_round(cluster, n, args.procs, args.token, r, args.conf) for r in range(args.repeat)]
+                for row in rows:
+                    print(json.dumps(row), flush=True)
+                if any(r["agents_done"] != n for r in rows):
+                    print(f"round with {n} agents: {sum(r['agents_done'] != n for r in rows)} of {len(rows)} rounds "
+                          "did not complete (see errors above)", flush=True)
+                times = sorted(r["round_s"] for r in rows)
+                print(f"round with {n} agents in {rows[0]['procs']} processes: median {statistics.median(times):.3f} s "
+                      f"(min {times[0]:.3f}, max {times[-1]:.3f})", flush=True)
+            if not args.no_detection:
+                detections = sorted(kill_detection(cluster.endpoints) for _ in range(3))
+                print(f"SIGKILLed agent detected after: {', '.join(f'{d:.2f}' for d in detections)} s")
+            print(f"keys left under /elastrun/ after all agents closed: {len(cluster.list_keys())}")
+    finally:
+        for loop in busy:
+            loop.kill()
+            loop.wait()
 
 
 if __name__ == "__main__":
