@@ -259,6 +259,7 @@ class Joining(HandlerBase):
         # request) only when a wait for the event passes without it.
         host_key = self._r(round_, "join", host.node_id)
         seen, first_wait = cursor, True
+        host_missing: float | None = None
         while found is None:
             self._check_lease()
             events = self._watch.since(seen)
@@ -275,8 +276,15 @@ class Joining(HandlerBase):
                 found = self._open(first_kv(store))
                 if found is not None:
                     break
-                if not alive[0]:
-                    return None  # the store host died before publishing: go to the next round
+                if alive[0]:
+                    host_missing = None
+                elif host_missing is None:
+                    host_missing = time.monotonic()
+                elif time.monotonic() - host_missing > 2 * float(self.conf["lease_ttl"]):
+                    # The store host died before publishing: go to the next round.  Not at once: its
+                    # lease may only have expired under an overloaded etcd, and it then takes its
+                    # place back (_reattach) and publishes within a few seconds.
+                    return None
             if time.monotonic() >= deadline:
                 raise self._timeout_error(round_, len(members))
             first_wait = False
