@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -89,6 +90,9 @@ def test_each_agent_watches_only_what_it_acts_on():
             for t in threads:
                 t.join(60)
             assert len(results) == nodes
+            # Before the ring watches start (each may replay its successor's join from the agent's last read).
+            non_closers = [h for h in handlers if not any("/join/" in e.key for e in h._watch.since(0) or [])]
+            assert len(non_closers) >= nodes - 1, "only the closer may see the joins of a round"
             q = handlers[0]._q
             ring = [m.node_id for m in sorted(results[0].members, key=lambda m: m.group_rank)]
             for i, h in enumerate(handlers):
@@ -99,8 +103,6 @@ def test_each_agent_watches_only_what_it_acts_on():
                     "round": (q + "r0/left/", q + "r0/store\0"),
                     "ring": (q + f"r0/join/{successor}", q + f"r0/join/{successor}\0"),
                 }
-            non_closers = [h for h in handlers if not any("/join/" in e.key for e in h._watch.since(0) or [])]
-            assert len(non_closers) >= nodes - 1, "only the closer may see the joins of a round"
             # A node dies (its lease is revoked): its predecessor notices, every other member is told.
             victim = 2
             handlers[victim]._keeper.stop()
@@ -118,3 +120,127 @@ def test_each_agent_watches_only_what_it_acts_on():
         finally:
             for h in handlers:
                 h.close()
+
+
+def _count_requests(monkeypatch) -> collections.Counter:
+    """Count the requests this process's etcd clients send, by path and outcome (observes, changes nothing)."""
+    from elastrun.rendezvous.etcd.client import EtcdClient, LeaseNotFound
+
+    counts: collections.Counter = collections.Counter()
+    lock = threading.Lock()
+    request = EtcdClient.request
+
+    def counted(self, path: str, body: dict) -> dict:
+        with lock:
+            counts[path] += 1
+            if path == "/lease/grant" and int(body.get("TTL", 0)) >= 60:
+                counts["job lease grant"] += 1  # job_ttl; an agent's lease has lease_ttl
+        try:
+            return request(self, path, body)
+        except LeaseNotFound:
+            with lock:
+                counts[path + " lease not found"] += 1
+            raise
+
+    monkeypatch.setattr(EtcdClient, "request", counted)
+    return counts
+
+
+@needs_etcd
+def test_first_agents_start_one_incarnation_with_one_job_lease(monkeypatch):
+    """Agents that start a job together: one claims the start, the others wait for its incarnation;
+    no agent grants a job lease only to lose a race and revoke it."""
+    nodes = 6
+    with EtcdCluster(1) as cluster:
+        conf = {"lease_ttl": "10"}  # the race is what is measured here, not liveness on a loaded machine
+        handlers = [create_handler(RendezvousParameters("etcd", cluster.endpoints, "race", nodes, nodes, config=conf))
+                    for _ in range(nodes)]
+        counts = _count_requests(monkeypatch)
+        results: dict[int, object] = {}
+        go = threading.Barrier(nodes)
+
+        def join(i: int) -> None:
+            go.wait(10)
+            results[i] = handlers[i].next_round(NodeInfo(f"n{i}", "127.0.0.1", 1))
+
+        try:
+            threads = [threading.Thread(target=join, args=(i,)) for i in range(nodes)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert len(results) == nodes
+            assert len({h._epoch for h in handlers}) == 1
+            assert counts["job lease grant"] == 1, counts
+            assert counts["/kv/lease/revoke"] == 0, counts
+        finally:
+            for h in handlers:
+                h.close()
+        assert cluster.list_keys() == []
+
+
+@needs_etcd
+def test_lost_lease_is_replaced_once_not_retried_in_a_loop(monkeypatch):
+    """A registration that finds its lease gone asks etcd which lease it was and grants one new one,
+    instead of retrying with the dead lease until the keep-alive thread notices."""
+    with EtcdCluster(1) as cluster:
+        handler = create_handler(_params(cluster.endpoints, "relost", lease_ttl="10"))  # not renewed below
+        try:
+            first = handler.next_round(NodeInfo("a", "127.0.0.1", 1))
+            counts = _count_requests(monkeypatch)
+            handler._keeper.stop()  # nothing renews or checks the lease from here on
+            handler._kv.revoke(handler._lease)  # as if it had expired
+            second = handler.next_round(NodeInfo("a", "127.0.0.1", 1))
+            assert (first.round, second.round) == (0, 1)
+            assert counts["/lease/grant"] == 1, counts
+            assert counts["/kv/txn lease not found"] == 1, counts
+        finally:
+            handler.close()
+
+
+def _round_together(handlers: dict[str, object], timeout: float = 60) -> dict[str, object]:
+    """``next_round`` on every handler at once (one thread each); their results by node id."""
+    results: dict[str, object] = {}
+
+    def join(node: str) -> None:
+        results[node] = handlers[node].next_round(NodeInfo(node, "127.0.0.1", 1))
+
+    threads = [threading.Thread(target=join, args=(n,)) for n in handlers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert set(results) == set(handlers)
+    return results
+
+
+@needs_etcd
+def test_member_whose_lease_expired_as_its_round_closed_takes_its_place_back():
+    """A lease that expires between the close of a round and the member taking its place (etcd too
+    slow to renew it) costs that member a new lease, not the whole group a new round; once a peer
+    has declared it lost, it goes to the next round and the peer with it."""
+    with EtcdCluster(1) as cluster:
+        conf = {"join_timeout": "30"}  # without the fix, a waits for b in round 1 until this
+        a, b = (create_handler(RendezvousParameters("etcd", cluster.endpoints, "late", 2, 2, config=conf))
+                for _ in range(2))
+        try:
+            assert {r.round for r in _round_together({"a": a, "b": b}).values()} == {0}
+            # As if a's lease had expired while it was still taking its place in round 0:
+            a._joining, a._round, a._result, a._members = 0, None, None, set()
+            a._kv.revoke(a._lease)
+            again = a.next_round(NodeInfo("a", "127.0.0.1", 1))
+            assert (again.round, again.group_world_size) == (0, 2)
+            keys = cluster.list_keys()
+            assert any(k.endswith("/r0/join/a") for k in keys)
+            assert not any("/r0/next/" in k or "/r0/lost/" in k for k in keys), keys
+            # Again, but b notices first (its ring watch finds a's join key gone) and declares a lost.
+            a._joining, a._round, a._result, a._members = 0, None, None, set()
+            a._kv.revoke(a._lease)
+            deadline = time.monotonic() + 20
+            while b.poll().lost_nodes != ["a"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert any(k.endswith("/r0/lost/a") for k in cluster.list_keys())
+            assert {r.round for r in _round_together({"a": a, "b": b}).values()} == {1}
+        finally:
+            a.close()
+            b.close()

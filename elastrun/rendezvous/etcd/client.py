@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastrun.rendezvous.api import RendezvousConfigError, RendezvousError
+from elastrun.rendezvous.etcd.backoff import Backoff
 
 
 class EtcdUnavailable(RendezvousError):
@@ -382,6 +383,11 @@ def cmp_mod(key: str, revision: int) -> dict[str, Any]:
     return {"key": b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": str(revision)}
 
 
+def cmp_lease(key: str, lease: int) -> dict[str, Any]:
+    """``key`` exists and is attached to ``lease``."""
+    return {"key": b64(key), "target": "LEASE", "result": "EQUAL", "lease": str(lease)}
+
+
 def op_put(key: str, value: str | bytes, lease: int = 0) -> dict[str, Any]:
     body: dict[str, Any] = {"key": b64(key), "value": b64(value)}
     if lease:
@@ -622,16 +628,21 @@ class LeaseKeeper(threading.Thread):
         self.lease, self.job_lease, self.lost, self.job_lost = lease, job_lease, False, False
 
     def run(self) -> None:
-        backoff = self.interval
+        # After a failed renewal, try again sooner than ``interval`` (the lease may still be saved),
+        # at random moments so that a job's agents do not retry in step; during an outage, about
+        # once a second, so that its end is noticed soon.
+        cap = min(1.0, self.interval)
+        retry = Backoff(cap / 2, cap)
         while not self._stop_event.is_set():
             preferred = self.client.shared.preferred
+            wait = self.interval
             try:
                 self._renew()
                 if self.outage_since is not None:
                     took = time.monotonic() - self.outage_since
                     self._warn(f"etcd is reachable again after {took:.1f} s; the rendezvous carries on")
                     self.outage_since = None
-                backoff = self.interval
+                retry.reset()
             except EtcdUnavailable as exc:
                 self.last_error = str(exc)
                 if self.outage_since is None:
@@ -639,15 +650,16 @@ class LeaseKeeper(threading.Thread):
                     self._warn(
                         f"etcd unreachable ({exc}); running workers keep training, retrying with back-off"
                     )
-                backoff = min(1.0, backoff * 1.5)
+                wait = retry.delay()
             except Exception as exc:  # credentials revoked, etc.: keep trying, report once
                 self.last_error = str(exc)
                 if self.outage_since is None:
                     self.outage_since = time.monotonic()
                     self._warn(f"etcd keep-alive failed: {exc}; retrying")
+                wait = retry.delay()
             if self.client.shared.preferred != preferred and self.on_failover is not None:
                 self.on_failover()
-            self._stop_event.wait(backoff)
+            self._stop_event.wait(wait)
 
     def _renew(self) -> None:
         lease = self.lease
