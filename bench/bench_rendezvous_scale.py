@@ -2,7 +2,8 @@
 
 ``bench_rendezvous.py`` runs every simulated node as a full handler in one process, which stops
 scaling past a few hundred nodes.  Here ``--procs`` processes each hold ``nodes / procs`` nodes
-(threads, no workers); process 0's node 0 hosts the job's ``TCPStore``.  Every process connects
+(threads, no workers), and one more process holds node 0 alone, which hosts the job's ``TCPStore``
+(each process in a session of its own: see ``one_round``).  Every process connects
 its nodes, reports ready, and on one "go" from the parent all of them join round 0 at once; the
 figure is from "go" to the last node's result (wall clock of one machine).  Then every node's
 heartbeats run for ``--beat-seconds``: the achieved rate is measured against the configured one,
@@ -318,14 +319,20 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
     env.pop("ELASTRUN_JOB_TOKEN", None)
     if token:
         env["ELASTRUN_JOB_TOKEN"] = TOKEN
-    share = [nodes // procs + (1 if p < nodes % procs else 0) for p in range(procs)]
-    starts = [sum(share[:p]) for p in range(procs)]
+    # Process 0 holds node 0 alone (the store host); the other nodes are spread over ``procs``
+    # processes.  Each process is a session of its own, so the kernel's autogroup scheduling
+    # shares the cores between processes rather than between threads: the store's one thread is
+    # not starved by thousands of simulated nodes, as on a cluster its host is not.
+    rest = nodes - 1
+    share = [1] + [rest // procs + (1 if p < rest % procs else 0) for p in range(procs)]
+    share = [s for s in share if s > 0]
+    starts = [sum(share[:p]) for p in range(len(share))]
     children = []
-    for p in range(procs):
+    for p in range(len(share)):
         argv = [PYTHON, "-m", "bench.bench_rendezvous_scale", "--child", str(port), str(starts[p]), str(share[p]),
                 str(nodes), str(beat_seconds), str(full_every)]
         children.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=None, text=True))
+                                         stderr=None, text=True, start_new_session=True))
         if p == 0:
             time.sleep(1.0)  # let process 0 bind the store first
 

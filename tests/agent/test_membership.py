@@ -113,5 +113,8 @@ def test_peer_failing_from_a_stop_for_a_joiner_is_not_charged(agents, job, tmp_p
     finally:
         a1.kill(signal.SIGCONT)
     assert all(a.proc.poll() is None for a in (a0, a1, a2)), agents.outputs()
-    assert "failed (exit code 1)" in a1.output(), agents.outputs()  # the race did happen
+    # The race did happen: node 1's worker failed in its collective when node 0 stopped.  Node 1's
+    # agent, resumed, reports that failure (the mark makes it uncharged), unless its poll sees the
+    # joiner before the worker's exit reaches it: then it stops for the joiner and reports nothing.
+    assert "Traceback" in a1.output() or "failed (exit code 1)" in a1.output(), agents.outputs()
     assert "restarts used 0/0" in a0.output().split("round 2")[-1], agents.outputs()
