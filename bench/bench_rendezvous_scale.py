@@ -181,6 +181,11 @@ def _store_thread_cpu() -> float:
 
 def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, full_every: int) -> None:
     """One process of simulated nodes: connect, say ready, join on "go", report, heartbeat, close."""
+    import signal
+
+    from elastrun.workers.prctl import set_parent_death_signal
+
+    set_parent_death_signal(signal.SIGKILL)  # in a session of its own: no terminal signal reaches it
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     # Hundreds of threads that each wait on a socket and then want the GIL: with the default 5 ms
