@@ -190,7 +190,10 @@ def _members(client: Any, job: dict[str, Any], round_: int, members: list[dict],
         elif ttl is None:
             state = "alive"  # the key is there, so its lease is live; its TTL was not asked for
         else:
-            state = "silent" if ttl[0] * 2 < ttl[1] else "alive"
+            # etcd truncates the TTL left to whole seconds, and a renewal comes every third of the
+            # TTL (the default): a healthy lease of 3 s shows 2 or 1 left.  Silent is less than a
+            # third left, i.e. two renewals missed.
+            state = "silent" if ttl[0] * 3 < ttl[1] else "alive"
         live_ttl = ttl is not None and ttl[0] >= 0
         nodes.append(node_row(m, state, float(ttl[1] - ttl[0]) if live_ttl else None,
                               lease_ttl=ttl[1] if live_ttl else None, lease_ttl_left=ttl[0] if live_ttl else None))
