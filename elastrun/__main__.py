@@ -1,6 +1,6 @@
 """``python -m elastrun``: the same as the ``elastrun`` command."""
 
-from elastrun.cli import main
+from elastrun.cli import command
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    command()

@@ -27,16 +27,14 @@ as ``python`` does, and no exit is reported.
 
 from __future__ import annotations
 
-import atexit
-import ctypes
 import os
 import runpy
 import signal
 import sys
-import threading
 import traceback
 from pathlib import Path
 
+from elastrun.procexit import python_shutdown
 from elastrun.workers import pg_guard
 from elastrun.workers.errorfile import write_error_file
 from elastrun.workers.heartbeat import report_exit
@@ -88,7 +86,7 @@ def run_target(target: str, module: bool, error_file: str | None) -> None:
         report_exit(code)
     else:
         traceback.print_exception(interrupted)  # printed before the exit steps, as by the interpreter
-    _python_shutdown()
+    python_shutdown()
     if interrupted is not None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
@@ -133,30 +131,6 @@ def _exit_code(exc: SystemExit) -> int:
     except Exception:
         pass
     return 1
-
-
-def _python_shutdown() -> None:
-    """What ``Py_Finalize`` does before it tears anything down: join threads, run ``atexit``, flush."""
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]  # joins non-daemon threads, as at exit
-    except Exception:
-        traceback.print_exc()
-    atexit._run_exitfuncs()
-    _flush()
-
-
-def _flush() -> None:
-    """Flush Python's streams and C's stdio buffers (native code's ``printf``), which ``os._exit`` would drop."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except (OSError, ValueError):
-            pass
-    try:
-        ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError):
-        pass
 
 
 def _write_error_file(exc: BaseException, path: str | None) -> None:
