@@ -65,8 +65,14 @@ def test_abort_before_the_script_returned_is_a_failure(tmp_path, method):
 
 
 def test_ddp_model_freed_after_the_last_allreduce_always_ends_clean(tmp_path):
-    """Torch's teardown race, default flags: every job of a row must end with exit 0 (see bench_teardown)."""
-    runs, nproc = 6, 4
+    """Torch's teardown race, default flags: a job of each shape must end with exit 0.
+
+    One run per shape: the race's rate is measured by ``bench/bench_teardown.py`` (torchrun: 7
+    failures in 220 runs; elastrun: 0), and the two mechanisms that remove it are checked
+    deterministically here (the bootstrap's exit: the abort/hang tests above; the guard:
+    ``test_destroyed_groups_are_kept_until_the_exit``).  This is the end-to-end DDP case.
+    """
+    runs, nproc = 2, 4
     for i in range(runs):
         proc, took = launch(tmp_path, [f"--nproc-per-node={nproc}"], str(SCRIPTS / "ddp_del_model.py"), timeout=90,
                             SHAPE=("del", "destroy")[i % 2])
