@@ -1,4 +1,5 @@
-"""Handler-level tests of the etcd backend on a real etcd: incarnations and configuration errors."""
+"""Handler-level tests of the etcd backend on a real etcd: incarnations and configuration errors
+(a crashed or stalled job's incarnation: tests/rendezvous/test_etcd_incarnation.py)."""
 
 from __future__ import annotations
 
@@ -17,29 +18,6 @@ needs_etcd = pytest.mark.skipif(not etcd_available(), reason="no etcd binary (ap
 
 def _params(endpoints: str, run_id: str = "stale", **conf: str) -> RendezvousParameters:
     return RendezvousParameters("etcd", endpoints, run_id, 1, 1, config=dict(conf))
-
-
-@needs_etcd
-def test_stale_job_with_same_id_does_not_capture_a_new_one():
-    with EtcdCluster(1) as cluster:
-        old = create_handler(_params(cluster.endpoints))
-        first = old.next_round(NodeInfo("old", "127.0.0.1", 1))
-        old_incarnation = old.describe()["incarnation"]
-        # The old agent crashes: its threads stop and its lease is gone; its job keys stay behind.
-        old._keeper.stop()
-        old._watch.stop()
-        old._kv.revoke(old._lease)
-        assert any("/result" in k for k in cluster.list_keys()), "the crashed job should have left its round"
-        new = create_handler(_params(cluster.endpoints))
-        try:
-            result = new.next_round(NodeInfo("new", "127.0.0.1", 1))
-            state = new.describe()
-            assert (first.round, result.round, result.generation) == (0, 0, 0)
-            assert state["incarnation"] != old_incarnation
-            assert not any(old_incarnation in k for k in cluster.list_keys()), "the stale incarnation's keys remain"
-        finally:
-            new.close()
-        assert cluster.list_keys() == []
 
 
 def test_config_errors_name_the_key():

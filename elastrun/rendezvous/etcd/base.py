@@ -91,6 +91,9 @@ class HandlerBase(RendezvousHandler):
         self._q = ""
         self._epoch: str | None = None
         self._epoch_rev = 0
+        #: mod revision of a ``P/epoch`` seen without a live agent through one lease TTL (0: none):
+        #: its incarnation may be replaced without waiting again (:meth:`Registration._try_register`).
+        self._quiet_epoch = 0
         self._lease = 0
         self._job_lease = 0
         self._keeper: LeaseKeeper | None = None

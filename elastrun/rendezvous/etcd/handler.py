@@ -32,7 +32,9 @@ gone the job's keys expire on their own (``job_ttl``); a clean exit removes them
 last agent out deletes ``P``).  A new agent that finds no live agent under ``P/agents/`` starts a
 fresh incarnation in a transaction, so a crashed job with the same id never captures a new one:
 the first to put ``P/claim`` grants the job lease and starts it, the others wait for ``P/epoch``
-on a watch (:mod:`.registration`).
+on a watch (:mod:`.registration`).  Where ``P/epoch`` exists, it first waits one lease TTL for an
+agent to register: the job's agents may only have stalled past their leases, and they come back
+into their own incarnation.
 
 The rules (when a round may close, who gets which rank, what is charged) are
 :mod:`elastrun.rendezvous.rounds`, shared with the c10d backend.  The protocol's parts live in

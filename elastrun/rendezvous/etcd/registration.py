@@ -3,8 +3,13 @@
 An agent holds a lease (renewed by :class:`~elastrun.rendezvous.etcd.client.LeaseKeeper`), puts
 ``P/agents/<node>`` under it, and adopts the incarnation named by ``P/epoch``.  Where no agent is
 live, one agent claims the start of a new incarnation (``P/claim``, under its own lease) and the
-others wait for it on a watch; a stale incarnation's keys go with the start.  After a lost lease the
-agent finds out which lease etcd no longer knows and registers again, backing off with jitter.
+others wait for it on a watch; a stale incarnation's keys go with the start.  Where ``P/epoch``
+names an incarnation that has no live agent, the start waits one lease TTL on a watch of
+``P/agents/`` first: a job whose agents all stalled past their leases at once (an overloaded
+machine or etcd) gets them back, with its rounds and restart budget, instead of a new incarnation.
+
+After a lost lease the agent finds out which lease etcd no longer knows and registers again,
+backing off with jitter.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from elastrun.rendezvous.etcd.client import (
     op_delete_prefix,
     op_put,
     op_range,
+    prefix_end,
 )
 
 
@@ -70,8 +76,10 @@ class Registration(HandlerBase):
             [op_range(self._p + "epoch"), self._agents_op(), op_range(claim_key)])
         epoch, claim = first_kv(epoch_read), first_kv(claim_read)
         self._job_state = None
+        replaced: str | None = None  # the incarnation a new one replaces
         if epoch is not None:
             doc = json.loads(epoch.value)
+            replaced = doc["id"]
             if live > 0 or doc["id"] == self._epoch:
                 self._accept(doc)
                 # Register and read the job's state (for the join that follows) in one request.
@@ -82,6 +90,13 @@ class Registration(HandlerBase):
                     self._adopt(doc["id"], int(doc["lease"]), epoch.mod_revision)
                     self._job_state = [r if r is not None else ([], 0) for r in reads[1:]]
                 return ok
+            if claim is None and self._quiet_epoch != epoch.mod_revision:
+                # Crashed, or every agent stalled past its lease at once (overload): only a quiet
+                # lease TTL tells them apart.  A stalled agent that comes back adopts its
+                # incarnation at once (it knows its id), and this agent then joins it too.
+                if not self._await_agent(doc["id"], deadline):
+                    return False
+                self._quiet_epoch = epoch.mod_revision
         # No live agent: a new job, or a crashed one's keys are left.  One agent claims the start
         # (with its own lease, so the claim goes if it dies); the others wait for its incarnation
         # instead of each granting a job lease, losing the race and revoking it.
@@ -106,6 +121,10 @@ class Registration(HandlerBase):
                 self._kv.txn([cmp_lease(claim_key, self._lease)], [op_delete(claim_key)])  # let the others try
             return False
         self._accept(fresh)
+        if replaced is not None:
+            self.warn(f"job {self.run_id!r}: no agent of incarnation {replaced} came back within lease_ttl; "
+                      f"started incarnation {new_id} in its place (its rounds and restart budget start afresh)",
+                      kind="incarnation_replaced", incarnation=replaced, new_incarnation=new_id)
         created = first_kv(reads[-1]) if reads[-1] else None
         self._adopt(new_id, job_lease, created.mod_revision if created else 0)
         self._job_state = [([], 0)] * 3  # a fresh incarnation has no state yet
@@ -123,6 +142,36 @@ class Registration(HandlerBase):
         while self._watch.seq == cursor and time.monotonic() < until:
             self._watch.wait(cursor, until - time.monotonic())
         self._watch.unwatch("start")
+
+    def _await_agent(self, epoch_id: str, deadline: float) -> bool:
+        """The job's incarnation ``epoch_id`` has no live agent: True when none registers within one
+        lease TTL (the job crashed: start a new incarnation), False as soon as one does (or at
+        ``deadline``): read again and adopt it.
+
+        A watch on ``P/agents/`` from the revision just read sees every registration after that
+        read, however late its stream connects; the start's transaction then checks that
+        ``P/agents/`` is still empty, so an agent that comes back after the wait is not missed either.
+        """
+        ttl = float(self.conf["lease_ttl"])
+        self.warn(f"job {self.run_id!r}: its incarnation {epoch_id} in etcd has no live agent (crashed, or every "
+                  f"agent stalled past its lease); waiting up to {ttl:g} s (lease_ttl) for one to come back "
+                  "before starting a new incarnation", kind="incarnation_wait", incarnation=epoch_id)
+        if self._watch is None:
+            self._watch = WatchSet(lambda: EtcdClient(self.settings, self._shared))
+        agents = self._p + "agents/"
+        start = cursor = self._watch.seq
+        self._watch.watch("agents", agents, prefix_end(agents), self._kv.revision + 1)
+        until = min(deadline, time.monotonic() + ttl)
+        came = False
+        try:
+            while not came and time.monotonic() < until:
+                self._watch.wait(cursor, until - time.monotonic())
+                events = self._watch.since(start)
+                came = events is None or any(e.kind == "PUT" and e.key.startswith(agents) for e in events)
+                cursor = self._watch.seq
+        finally:
+            self._watch.unwatch("agents")
+        return not came and until < deadline
 
     def _accept(self, epoch_doc: dict) -> None:
         """Check this node's token against the incarnation's auth marker and take its sealer.
@@ -144,6 +193,7 @@ class Registration(HandlerBase):
                 self._watch.stop()
                 self._watch = None
         self._epoch, self._job_lease, self._epoch_rev = epoch_id, job_lease, epoch_rev
+        self._quiet_epoch = 0
         self._q = f"{self._p}e/{epoch_id}/"
         if self._watch is None:
             self._watch = WatchSet(lambda: EtcdClient(self.settings, self._shared))
