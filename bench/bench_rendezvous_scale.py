@@ -262,13 +262,14 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
     full = [i for i in ends if i % full_every == 0]
     ranks = sorted(r.group_rank for r in results.values())
     agree = all(results[i].group_world_size == nodes and results[i].world_size == nodes for i in results)
-    closed_at = None
+    closed_at = closer = None
     if full:
         raw = handlers[full[0]]._read(handlers[full[0]]._r(0, "result"))
         closed_at = decode_result(raw)["closed_at"] if raw else None
+        closer = (handlers[full[0]]._read(handlers[full[0]]._r(0, "closed")) or ":").partition(":")[2]
     print(json.dumps({"end": max(ends.values()) if ends else None, "joined": len(ends), "errors": errors[:3],
                       "full": len(full), "full_end": max((ends[i] for i in full), default=None),
-                      "closed_at": closed_at, "ranks": ranks, "agree": agree,
+                      "closed_at": closed_at, "closer": closer, "ranks": ranks, "agree": agree,
                       "joins_written": max(light.joined_at, default=None),
                       "first_fetch": min(light.fetched_at, default=None),
                       "last_fetch": max(light.fetched_at, default=None), "result_bytes": light.result_bytes,
@@ -361,6 +362,7 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
             raise RuntimeError("the nodes' results disagree")
         seconds = max(d["end"] for d in done) - go
         closed_at = next(d["closed_at"] for d in done if d.get("closed_at"))
+        closer = next(d["closer"] for d in done if d.get("closer"))
         full_end = max(d["full_end"] for d in done if d.get("full_end"))
         phases = {name: round(max(d[name] for d in done if d.get(name)) - go, 3)
                   for name in ("joins_written", "last_fetch")}
@@ -379,7 +381,7 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
                 c.kill()
                 c.wait()
     return {"nodes": nodes, "procs": procs, "token": token, "round_s": round(seconds, 3),
-            "joins_written_s": phases["joins_written"], "closed_after_s": round(closed_at - go, 3),
+            "joins_written_s": phases["joins_written"], "closed_after_s": round(closed_at - go, 3), "closer": closer,
             "first_result_fetched_s": phases["first_fetch"], "last_result_fetched_s": phases["last_fetch"],
             "result_bytes": result_bytes, "load_at_go": load, "full_nodes": sum(d["full"] for d in done),
             "full_nodes_done_s": round(full_end - go, 3), "parse_ms": round(parse_ms(nodes, token), 1),
