@@ -28,11 +28,18 @@ handler end to end.  The others are *light*: the real handler class with two ste
 Everything else — connections (two per node), the join writes, the waits, the closer's work, the
 store address — is the real code.  Full nodes check that their result agrees with the light ones'.
 
+**Processes.**  The default is 8 processes of simulated nodes (128 threads each at 1,024 nodes)
+plus node 0's.  With 4 (256 threads each) the round's closer, whichever node joined first, was
+always one of 256 threads taking turns at one GIL, and its close (read every join, publish the
+result) took 0.3–0.7 s of the round; on a cluster the closer is an agent on its own machine.
+More processes do not take work away from the bench: every node still makes its own store
+operations over its own two connections (2,048 client connections at 1,024 nodes).
+
 torch's ``TCPStore`` looks up the peer's name for every connection (``getnameinfo``); where the
 DNS server drops queries (this sandbox) a connection stalls 5 s.  When run as root the bench
 re-runs itself in a fresh network namespace (loopback only), where that lookup fails at once.
 
-    python -m bench.bench_rendezvous_scale --nodes 256 1024 4096 --procs 4 [--token] [--repeat 3]
+    python -m bench.bench_rendezvous_scale --nodes 256 1024 4096 [--procs 8] [--token] [--repeat 3]
     python -m bench.bench_rendezvous_scale --auth-cost --nodes 256 1024 4096
     python -m bench.bench_rendezvous_scale --store-capacity
 """
@@ -262,13 +269,14 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
     full = [i for i in ends if i % full_every == 0]
     ranks = sorted(r.group_rank for r in results.values())
     agree = all(results[i].group_world_size == nodes and results[i].world_size == nodes for i in results)
-    closed_at = None
+    closed_at = closer = None
     if full:
         raw = handlers[full[0]]._read(handlers[full[0]]._r(0, "result"))
         closed_at = decode_result(raw)["closed_at"] if raw else None
+        closer = (handlers[full[0]]._read(handlers[full[0]]._r(0, "closed")) or ":").partition(":")[2]
     print(json.dumps({"end": max(ends.values()) if ends else None, "joined": len(ends), "errors": errors[:3],
                       "full": len(full), "full_end": max((ends[i] for i in full), default=None),
-                      "closed_at": closed_at, "ranks": ranks, "agree": agree,
+                      "closed_at": closed_at, "closer": closer, "ranks": ranks, "agree": agree,
                       "joins_written": max(light.joined_at, default=None),
                       "first_fetch": min(light.fetched_at, default=None),
                       "last_fetch": max(light.fetched_at, default=None), "result_bytes": light.result_bytes,
@@ -361,6 +369,7 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
             raise RuntimeError("the nodes' results disagree")
         seconds = max(d["end"] for d in done) - go
         closed_at = next(d["closed_at"] for d in done if d.get("closed_at"))
+        closer = next(d["closer"] for d in done if d.get("closer"))
         full_end = max(d["full_end"] for d in done if d.get("full_end"))
         phases = {name: round(max(d[name] for d in done if d.get(name)) - go, 3)
                   for name in ("joins_written", "last_fetch")}
@@ -379,7 +388,7 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
                 c.kill()
                 c.wait()
     return {"nodes": nodes, "procs": procs, "token": token, "round_s": round(seconds, 3),
-            "joins_written_s": phases["joins_written"], "closed_after_s": round(closed_at - go, 3),
+            "joins_written_s": phases["joins_written"], "closed_after_s": round(closed_at - go, 3), "closer": closer,
             "first_result_fetched_s": phases["first_fetch"], "last_result_fetched_s": phases["last_fetch"],
             "result_bytes": result_bytes, "load_at_go": load, "full_nodes": sum(d["full"] for d in done),
             "full_nodes_done_s": round(full_end - go, 3), "parse_ms": round(parse_ms(nodes, token), 1),
@@ -489,7 +498,7 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[1024])
-    parser.add_argument("--procs", type=int, default=4)
+    parser.add_argument("--procs", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--token", action="store_true")
     parser.add_argument("--beat-seconds", type=float, default=5.0)

@@ -470,14 +470,15 @@ class StoreRendezvousHandler(RendezvousHandler):
         closed_key = self._r(round_, "closed")
         prev = self._prev_members(round_)
         slots = _Slots()
+        closer = RingWatch(self.conf["heartbeat_timeout"])  # the first joiner's heartbeats (see below)
         min_reached: float | None = None
         closable_since: float | None = None
         poll = _CLOSER_POLL if idx == 1 else _follower_poll(idx)
         next_check = time.monotonic() if idx == 1 else time.monotonic() + poll
         # Whether ``closed`` is worth reading now: always for the first joiner; for the others once
-        # their wait saw the key (a wait that timed out costs no read: at thousands of waiting
-        # joiners each store operation per second of waiting counts).
-        look = True
+        # their wait saw the key (a wait that timed out costs no read, and a key already there ends
+        # the first wait at once: at thousands of joiners each store operation counts).
+        look = idx == 1
         held = False  # ``closed`` exists but is not authentic (forged): poll instead of waiting
         while True:
             now = time.monotonic()
@@ -519,6 +520,11 @@ class StoreRendezvousHandler(RendezvousHandler):
                     closable_since = now if closable_since is None else closable_since
                     if now - closable_since < _FALLBACK_GRACE * min(idx - 1, 8):
                         size = None
+                    elif self._auth.enabled and self._closer_alive(round_, closer):
+                        # With a token each fallback reads and checks every join (O(n) each): while
+                        # the first joiner still heartbeats it is closing, only slowly (thousands of
+                        # joins), and thousands of followers stepping in at once would bury it.
+                        size = None
                 admitted = None
                 if size is not None and self._auth.enabled:
                     # The counters are hints anyone can bump: decide on authentic values only.
@@ -539,6 +545,19 @@ class StoreRendezvousHandler(RendezvousHandler):
             else:
                 look = self._wait(closed_key, max(0.0, min(next_check, deadline) - time.monotonic()))
 
+    def _closer_alive(self, round_: int, watch: RingWatch) -> bool:
+        """Whether the first joiner of ``round_`` (its closer) is authentic and still heartbeats.
+
+        ``watch`` follows its ``hb`` key from one call to the next: silent for ``heartbeat_timeout``,
+        or a slot 1 that is empty or forged, is not alive.  Two reads per call.
+        """
+        if watch.target is None:
+            info = self._read(self._r(round_, "node", 1))
+            if info is None:
+                return False
+            watch.retarget(NodeInfo.from_json(info).node_id)
+        return not watch.observe(self._read(self._k("hb", watch.target)))
+
     def _verified_close(
         self, round_: int, hints: CloseInputs, prev: list[str] | None, slots: _Slots
     ) -> tuple[int | None, list[tuple[int, NodeInfo]] | None]:
@@ -547,8 +566,6 @@ class StoreRendezvousHandler(RendezvousHandler):
         Returns (size, the admitted (arrival index, info) pairs), or (None, None) to keep waiting.
         """
         infos = slots.read(self, round_, hints.joined)
-        if infos is None:
-            return None, None
         accounted = 0
         if prev is not None:
             prev_ids = set(prev)
@@ -699,7 +716,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         below_max = self._result.group_world_size < self.max_nodes
         if self._auth.enabled and (rejoined > 0 or (waiting > 0 and below_max)):
             # The counters only say where to look: count the authentic joins of the next round.
-            infos = [info for _, info in _Slots().read(self, round_ + 1, joined, wait=False) or []]
+            infos = [info for _, info in _Slots().read(self, round_ + 1, joined, wait=False)]
             rejoined = sum(1 for info in infos if info.node_id in ring)
             waiting = len(infos) - rejoined
         change.new_round_requested = rejoined > 0
@@ -798,54 +815,50 @@ class StoreRendezvousHandler(RendezvousHandler):
 
 
 class _Slots:
-    """The authentic joins of one round, read slot by slot as its ``joined`` counter grows (token only)."""
+    """The authentic joins of one round, read as its ``joined`` counter grows (token only)."""
 
     def __init__(self) -> None:
         self._infos: dict[int, NodeInfo | None] = {}
-        self._empty_since: dict[int, float] = {}
 
     def read(
         self, handler: StoreRendezvousHandler, round_: int, joined: int, wait: bool = True
-    ) -> list[tuple[int, NodeInfo]] | None:
+    ) -> list[tuple[int, NodeInfo]]:
         """(arrival index, info) of slots 1..``joined`` whose info is authentic, in arrival order.
 
-        A slot taken but not yet filled is a joiner between its two writes: with ``wait`` the
-        answer is None (ask again) until the slot has been empty for ``_SLOT_WAIT`` s, after which
-        it is left out, as a forged or dead join is.
+        A slot taken but not yet filled is a joiner between its two writes.  With ``wait`` the
+        slots not read yet are awaited together with one ``wait`` of up to ``_SLOT_WAIT`` s and
+        then read with one ``multi_get``; a slot still empty after that is left out, as a forged
+        or dead join is (then, once, each slot is read on its own).  Without ``wait`` an empty
+        slot is only skipped.
         """
-        now = time.monotonic()
-        pending = False
         unread = [idx for idx in range(1, joined + 1) if idx not in self._infos]
         keys = [handler._r(round_, "node", idx) for idx in unread]
-        if keys and _all_present(handler._store, keys, wait):  # every slot filled: one read for all of them
+        if keys and _all_present(handler._store, keys, _SLOT_WAIT if wait else 0.0):
             for idx, key, raw in zip(unread, keys, handler._store.multi_get(keys), strict=True):
-                value = handler._auth.open(key, raw)
-                self._infos[idx] = NodeInfo.from_json(value) if value is not None else None
-            unread = []
-        for idx in unread:
-            key = handler._r(round_, "node", idx)
+                self._accept(handler, idx, key, raw)
+            unread, keys = [], []
+        for idx, key in zip(unread, keys, strict=True):  # each slot on its own: only when some stayed empty
             raw = handler._peek(key)
             if raw is not None:
-                value = handler._auth.open(key, raw)
-                self._infos[idx] = NodeInfo.from_json(value) if value is not None else None
-            elif wait and now - self._empty_since.setdefault(idx, now) < _SLOT_WAIT:
-                pending = True
+                self._accept(handler, idx, key, raw)
             elif wait:
                 self._infos[idx] = None
-        if pending:
-            return None
         return [(idx, info) for idx, info in sorted(self._infos.items()) if info is not None and idx <= joined]
 
+    def _accept(self, handler: StoreRendezvousHandler, idx: int, key: str, raw: bytes) -> None:
+        value = handler._auth.open(key, raw)
+        self._infos[idx] = NodeInfo.from_json(value) if value is not None else None
 
-def _all_present(store, keys: list[str], wait: bool) -> bool:
-    """Whether every key exists; with ``wait``, after waiting up to 0.5 s for the last ones (one
+
+def _all_present(store, keys: list[str], timeout: float) -> bool:
+    """Whether every key exists, after waiting up to ``timeout`` s for the last ones (one
     operation, where checking slot by slot would be one per key)."""
     if store.check(keys):
         return True
-    if not wait:
+    if timeout <= 0:
         return False
     try:
-        store.wait(keys, datetime.timedelta(seconds=0.5))
+        store.wait(keys, datetime.timedelta(seconds=timeout))
         return True
     except Exception:
         return False

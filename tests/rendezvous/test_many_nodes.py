@@ -4,6 +4,8 @@ same workers' store; then one node leaves and every other member is told."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -11,7 +13,7 @@ import pytest
 
 from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
 from elastrun.rendezvous.c10d import create_handler
-from tests.harness import free_port
+from tests.harness import base_env, free_port
 
 NODES = 24
 
@@ -58,3 +60,57 @@ def test_a_round_with_many_nodes_is_consistent(token, monkeypatch):
     finally:
         for h in reversed(handlers):
             h.close()
+
+
+_FIRST_JOINER = """
+import sys
+from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
+from elastrun.rendezvous.c10d import create_handler
+conf = {"is_host": "false", "host_linger": "0", "heartbeat_interval": "0.2", "heartbeat_timeout": "1"}
+h = create_handler(RendezvousParameters("c10d", sys.argv[1], "dies", 3, 3, config=conf))
+h.next_round(NodeInfo("first", "127.0.0.1", 1, hostname="first", prev_group_rank=2))  # rank 0 hosts the workers' store
+"""
+
+
+def test_with_a_token_a_round_whose_first_joiner_died_is_closed_by_the_next_joiner(monkeypatch):
+    """The first joiner closes a round; the others step in only once it stopped heartbeating (its
+    process is gone here): the round closes with the joins there are, the dead one included (the
+    ring watch finds it next)."""
+    monkeypatch.setenv("ELASTRUN_JOB_TOKEN", "first-dies-0123456789abcdef0123456789")
+    port = free_port()
+    conf = {"host_linger": "0", "heartbeat_interval": "0.2", "heartbeat_timeout": "1"}
+
+    def params(host: bool) -> RendezvousParameters:
+        return RendezvousParameters("c10d", f"127.0.0.1:{port}", "dies", 3, 3,
+                                    config={**conf, "is_host": str(host).lower()})
+
+    host = create_handler(params(True))
+    other = create_handler(params(False))
+    child = subprocess.Popen([sys.executable, "-c", _FIRST_JOINER, f"127.0.0.1:{port}"], env=base_env())
+    results: dict[str, object] = {}
+    try:
+        deadline = time.monotonic() + 30
+        while host._read(host._r(0, "node", 1)) is None and time.monotonic() < deadline:
+            assert child.poll() is None
+            time.sleep(0.05)
+        assert host._read(host._r(0, "node", 1)) is not None, "the first joiner did not join"
+        child.kill()
+        child.wait(10)
+        threads = [threading.Thread(target=lambda h=h, n=n: results.__setitem__(
+            n, h.next_round(NodeInfo(n, "127.0.0.1", 1, hostname=n)))) for h, n in ((host, "host"), (other, "other"))]
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert set(results) == {"host", "other"}
+        assert {r.group_world_size for r in results.values()} == {3}
+        assert {m.node_id for m in results["host"].members} == {"first", "host", "other"}
+        assert results["host"].members[2].node_id == "first"
+        assert time.monotonic() - started < 15  # grace 2 s + heartbeat silence 1 s + the close
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        other.close()
+        host.close()
