@@ -86,6 +86,11 @@ def _follower_poll(idx: int) -> float:
     return max(_FOLLOWER_POLL, _FALLBACK_GRACE * min(idx - 1, 8) / 4)
 
 
+#: With a token, the followers that may close a round whose first joiner still heartbeats but has
+#: not closed it (its main thread stuck): the earliest ones only, so that the joins are checked by a
+#: few, not by thousands at once.  They wait their grace plus this many heartbeat timeouts.
+_RESCUERS = 8
+_STUCK_CLOSER_TIMEOUTS = 4.0
 #: How long a closer waits for a joiner's info after the round closed before leaving it out.
 _SLOT_WAIT = 5.0
 #: How long members wait for group rank 0 to publish the workers' store before giving up on it.
@@ -518,13 +523,17 @@ class StoreRendezvousHandler(RendezvousHandler):
                     # A fallback: leave the close to the first joiner unless it has not done it in time.
                     # Later joiners wait longer, so that a slow first joiner is not joined by all at once.
                     closable_since = now if closable_since is None else closable_since
-                    if now - closable_since < _FALLBACK_GRACE * min(idx - 1, 8):
+                    grace = _FALLBACK_GRACE * min(idx - 1, 8)
+                    if now - closable_since < grace:
                         size = None
                     elif self._auth.enabled and self._closer_alive(round_, closer):
                         # With a token each fallback reads and checks every join (O(n) each): while
                         # the first joiner still heartbeats it is closing, only slowly (thousands of
-                        # joins), and thousands of followers stepping in at once would bury it.
-                        size = None
+                        # joins), and thousands of followers stepping in at once would bury it.  A
+                        # first joiner that heartbeats but never closes is left to the earliest few.
+                        stuck = grace + _STUCK_CLOSER_TIMEOUTS * float(self.conf["heartbeat_timeout"])
+                        if idx > 1 + _RESCUERS or now - closable_since < stuck:
+                            size = None
                 admitted = None
                 if size is not None and self._auth.enabled:
                     # The counters are hints anyone can bump: decide on authentic values only.

@@ -114,3 +114,55 @@ def test_with_a_token_a_round_whose_first_joiner_died_is_closed_by_the_next_join
             child.wait(10)
         other.close()
         host.close()
+
+
+_STUCK_FIRST_JOINER = """
+import sys, time
+from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
+from elastrun.rendezvous.c10d import create_handler
+conf = {"is_host": "false", "host_linger": "0", "heartbeat_interval": "0.2", "heartbeat_timeout": "1"}
+h = create_handler(RendezvousParameters("c10d", sys.argv[1], "stuck", 3, 3, config=conf))
+h._claim = lambda *args, **kwargs: time.sleep(3600)  # the fault: its close never happens, its heartbeats go on
+h.next_round(NodeInfo("first", "127.0.0.1", 1, hostname="first", prev_group_rank=2))
+"""
+
+
+def test_with_a_token_a_first_joiner_that_heartbeats_but_never_closes_is_rescued(monkeypatch):
+    """A first joiner whose close is stuck while its heartbeats go on: the next joiners leave it
+    alone for their grace plus four heartbeat timeouts (it might only be slow), then close the round."""
+    monkeypatch.setenv("ELASTRUN_JOB_TOKEN", "first-stuck-0123456789abcdef0123456789")
+    port = free_port()
+    conf = {"host_linger": "0", "heartbeat_interval": "0.2", "heartbeat_timeout": "1"}
+
+    def params(host: bool) -> RendezvousParameters:
+        return RendezvousParameters("c10d", f"127.0.0.1:{port}", "stuck", 3, 3,
+                                    config={**conf, "is_host": str(host).lower()})
+
+    host = create_handler(params(True))
+    other = create_handler(params(False))
+    child = subprocess.Popen([sys.executable, "-c", _STUCK_FIRST_JOINER, f"127.0.0.1:{port}"], env=base_env())
+    results: dict[str, object] = {}
+    try:
+        deadline = time.monotonic() + 30
+        while host._read(host._r(0, "node", 1)) is None and time.monotonic() < deadline:
+            assert child.poll() is None
+            time.sleep(0.05)
+        assert host._read(host._r(0, "node", 1)) is not None, "the first joiner did not join"
+        threads = [threading.Thread(target=lambda h=h, n=n: results.__setitem__(
+            n, h.next_round(NodeInfo(n, "127.0.0.1", 1, hostname=n)))) for h, n in ((host, "host"), (other, "other"))]
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        took = time.monotonic() - started
+        assert child.poll() is None, "the stuck first joiner must still be alive (and heartbeating)"
+        assert set(results) == {"host", "other"}
+        assert {m.node_id for m in results["host"].members} == {"first", "host", "other"}
+        # Not before grace (2 s) + 4 heartbeat timeouts (4 s): it was alive; well before join_timeout.
+        assert 5.5 < took < 15, took
+    finally:
+        child.kill()
+        child.wait(10)
+        other.close()
+        host.close()
