@@ -625,6 +625,15 @@ class LeaseKeeper(threading.Thread):
         self.on_failover = None
 
     def set_leases(self, lease: int, job_lease: int) -> None:
+        """Renew ``lease`` and ``job_lease`` from now on.
+
+        A job lease new to this keeper is first renewed one ``job_interval`` from now, not at once:
+        it was just granted (full TTL), or adopted from a running incarnation whose live agents
+        renew it every ``job_interval`` themselves.  Renewing it at once cost every agent of a
+        round one keep-alive for nothing.
+        """
+        if job_lease != self.job_lease:
+            self._next_job = time.monotonic() + self.job_interval
         self.lease, self.job_lease, self.lost, self.job_lost = lease, job_lease, False, False
 
     def run(self) -> None:
