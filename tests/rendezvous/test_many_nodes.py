@@ -63,84 +63,34 @@ def test_a_round_with_many_nodes_is_consistent(token, monkeypatch):
 
 
 _FIRST_JOINER = """
-import sys
-from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
-from elastrun.rendezvous.c10d import create_handler
-conf = {"is_host": "false", "host_linger": "0", "heartbeat_interval": "0.2", "heartbeat_timeout": "1"}
-h = create_handler(RendezvousParameters("c10d", sys.argv[1], "dies", 3, 3, config=conf))
-h.next_round(NodeInfo("first", "127.0.0.1", 1, hostname="first", prev_group_rank=2))  # rank 0 hosts the workers' store
-"""
-
-
-def test_with_a_token_a_round_whose_first_joiner_died_is_closed_by_the_next_joiner(monkeypatch):
-    """The first joiner closes a round; the others step in only once it stopped heartbeating (its
-    process is gone here): the round closes with the joins there are, the dead one included (the
-    ring watch finds it next)."""
-    monkeypatch.setenv("ELASTRUN_JOB_TOKEN", "first-dies-0123456789abcdef0123456789")
-    port = free_port()
-    conf = {"host_linger": "0", "heartbeat_interval": "0.2", "heartbeat_timeout": "1"}
-
-    def params(host: bool) -> RendezvousParameters:
-        return RendezvousParameters("c10d", f"127.0.0.1:{port}", "dies", 3, 3,
-                                    config={**conf, "is_host": str(host).lower()})
-
-    host = create_handler(params(True))
-    other = create_handler(params(False))
-    child = subprocess.Popen([sys.executable, "-c", _FIRST_JOINER, f"127.0.0.1:{port}"], env=base_env())
-    results: dict[str, object] = {}
-    try:
-        deadline = time.monotonic() + 30
-        while host._read(host._r(0, "node", 1)) is None and time.monotonic() < deadline:
-            assert child.poll() is None
-            time.sleep(0.05)
-        assert host._read(host._r(0, "node", 1)) is not None, "the first joiner did not join"
-        child.kill()
-        child.wait(10)
-        threads = [threading.Thread(target=lambda h=h, n=n: results.__setitem__(
-            n, h.next_round(NodeInfo(n, "127.0.0.1", 1, hostname=n)))) for h, n in ((host, "host"), (other, "other"))]
-        started = time.monotonic()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert set(results) == {"host", "other"}
-        assert {r.group_world_size for r in results.values()} == {3}
-        assert {m.node_id for m in results["host"].members} == {"first", "host", "other"}
-        assert results["host"].members[2].node_id == "first"
-        assert time.monotonic() - started < 15  # grace 2 s + heartbeat silence 1 s + the close
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(10)
-        other.close()
-        host.close()
-
-
-_STUCK_FIRST_JOINER = """
 import sys, time
 from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
 from elastrun.rendezvous.c10d import create_handler
 conf = {"is_host": "false", "host_linger": "0", "heartbeat_interval": "0.2", "heartbeat_timeout": "1"}
-h = create_handler(RendezvousParameters("c10d", sys.argv[1], "stuck", 3, 3, config=conf))
-h._claim = lambda *args, **kwargs: time.sleep(3600)  # the fault: its close never happens, its heartbeats go on
-h.next_round(NodeInfo("first", "127.0.0.1", 1, hostname="first", prev_group_rank=2))
+h = create_handler(RendezvousParameters("c10d", sys.argv[1], sys.argv[2], 3, 3, config=conf))
+if sys.argv[3] == "stuck":
+    h._claim = lambda *args, **kwargs: time.sleep(3600)  # the fault: its close never happens, its heartbeats go on
+h.next_round(NodeInfo("first", "127.0.0.1", 1, hostname="first", prev_group_rank=2))  # rank 0 hosts the workers' store
 """
 
 
-def test_with_a_token_a_first_joiner_that_heartbeats_but_never_closes_is_rescued(monkeypatch):
-    """A first joiner whose close is stuck while its heartbeats go on: the next joiners leave it
-    alone for their grace plus four heartbeat timeouts (it might only be slow), then close the round."""
-    monkeypatch.setenv("ELASTRUN_JOB_TOKEN", "first-stuck-0123456789abcdef0123456789")
+def _round_after_a_faulty_first_joiner(monkeypatch, fault: str) -> tuple[dict, float]:
+    """A 3-node round with a job token whose first joiner is a process of its own: once it joined,
+    ``fault`` is applied ("killed": SIGKILL; "stuck": its close never happens, its heartbeats go
+    on), then the two other nodes join.  Returns their round results by name and how long they took."""
+    run_id = f"first-{fault}"
+    monkeypatch.setenv("ELASTRUN_JOB_TOKEN", f"{run_id}-0123456789abcdef0123456789")
     port = free_port()
     conf = {"host_linger": "0", "heartbeat_interval": "0.2", "heartbeat_timeout": "1"}
 
     def params(host: bool) -> RendezvousParameters:
-        return RendezvousParameters("c10d", f"127.0.0.1:{port}", "stuck", 3, 3,
+        return RendezvousParameters("c10d", f"127.0.0.1:{port}", run_id, 3, 3,
                                     config={**conf, "is_host": str(host).lower()})
 
     host = create_handler(params(True))
     other = create_handler(params(False))
-    child = subprocess.Popen([sys.executable, "-c", _STUCK_FIRST_JOINER, f"127.0.0.1:{port}"], env=base_env())
+    child = subprocess.Popen([sys.executable, "-c", _FIRST_JOINER, f"127.0.0.1:{port}", run_id, fault],
+                             env=base_env())
     results: dict[str, object] = {}
     try:
         deadline = time.monotonic() + 30
@@ -148,6 +98,9 @@ def test_with_a_token_a_first_joiner_that_heartbeats_but_never_closes_is_rescued
             assert child.poll() is None
             time.sleep(0.05)
         assert host._read(host._r(0, "node", 1)) is not None, "the first joiner did not join"
+        if fault == "killed":
+            child.kill()
+            child.wait(10)
         threads = [threading.Thread(target=lambda h=h, n=n: results.__setitem__(
             n, h.next_round(NodeInfo(n, "127.0.0.1", 1, hostname=n)))) for h, n in ((host, "host"), (other, "other"))]
         started = time.monotonic()
@@ -156,13 +109,32 @@ def test_with_a_token_a_first_joiner_that_heartbeats_but_never_closes_is_rescued
         for t in threads:
             t.join(30)
         took = time.monotonic() - started
-        assert child.poll() is None, "the stuck first joiner must still be alive (and heartbeating)"
+        if fault == "stuck":
+            assert child.poll() is None, "the stuck first joiner must still be alive (and heartbeating)"
         assert set(results) == {"host", "other"}
+        assert {r.group_world_size for r in results.values()} == {3}
         assert {m.node_id for m in results["host"].members} == {"first", "host", "other"}
-        # Not before grace (2 s) + 4 heartbeat timeouts (4 s): it was alive; well before join_timeout.
-        assert 5.5 < took < 15, took
+        return results, took
     finally:
-        child.kill()
-        child.wait(10)
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
         other.close()
         host.close()
+
+
+def test_with_a_token_a_round_whose_first_joiner_died_is_closed_by_the_next_joiner(monkeypatch):
+    """The first joiner closes a round; the others step in only once it stopped heartbeating (its
+    process is gone here): the round closes with the joins there are, the dead one included (the
+    ring watch finds it next)."""
+    results, took = _round_after_a_faulty_first_joiner(monkeypatch, "killed")
+    assert results["host"].members[2].node_id == "first"
+    assert took < 15  # grace 2 s + heartbeat silence 1 s + the close
+
+
+def test_with_a_token_a_first_joiner_that_heartbeats_but_never_closes_is_rescued(monkeypatch):
+    """A first joiner whose close is stuck while its heartbeats go on: the next joiners leave it
+    alone for their grace plus four heartbeat timeouts (it might only be slow), then close the round."""
+    _, took = _round_after_a_faulty_first_joiner(monkeypatch, "stuck")
+    # Not before grace (2 s) + 4 heartbeat timeouts (4 s): it was alive; well before join_timeout.
+    assert 5.5 < took < 15, took
