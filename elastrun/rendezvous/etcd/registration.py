@@ -19,6 +19,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 
 from elastrun.rendezvous.api import JobFailedError, RendezvousError, RendezvousTimeoutError
 from elastrun.rendezvous.auth import JobTokenRejected
@@ -26,6 +27,7 @@ from elastrun.rendezvous.etcd.backoff import Backoff
 from elastrun.rendezvous.etcd.base import HandlerBase, Reregister, first_kv, one_key_end
 from elastrun.rendezvous.etcd.client import (
     EtcdClient,
+    Event,
     LeaseKeeper,
     WatchSet,
     cmp_absent,
@@ -133,15 +135,9 @@ class Registration(HandlerBase):
     def _await_start(self, deadline: float) -> None:
         """Another agent claimed the start of the incarnation: wait on a watch of ``P/epoch`` until it
         is written, for at most one lease TTL (the claimer may have died: its claim then expires)."""
-        if self._watch is None:
-            self._watch = WatchSet(lambda: EtcdClient(self.settings, self._shared))
         key = self._p + "epoch"
-        cursor = self._watch.seq
-        self._watch.watch("start", key, one_key_end(key), self._kv.revision + 1)
         until = min(deadline, time.monotonic() + float(self.conf["lease_ttl"]))
-        while self._watch.seq == cursor and time.monotonic() < until:
-            self._watch.wait(cursor, until - time.monotonic())
-        self._watch.unwatch("start")
+        self._watch_until("start", key, one_key_end(key), until, lambda events: True)
 
     def _await_agent(self, epoch_id: str, deadline: float) -> bool:
         """The job's incarnation ``epoch_id`` has no live agent: True when none registers within one
@@ -156,22 +152,35 @@ class Registration(HandlerBase):
         self.warn(f"job {self.run_id!r}: its incarnation {epoch_id} in etcd has no live agent (crashed, or every "
                   f"agent stalled past its lease); waiting up to {ttl:g} s (lease_ttl) for one to come back "
                   "before starting a new incarnation", kind="incarnation_wait", incarnation=epoch_id)
+        agents = self._p + "agents/"
+        until = min(deadline, time.monotonic() + ttl)
+        came = self._watch_until("agents", agents, prefix_end(agents), until,
+                                 lambda events: any(e.kind == "PUT" and e.key.startswith(agents) for e in events))
+        return not came and until < deadline
+
+    def _watch_until(self, name: str, key: str, end: str, until: float,
+                     wanted: Callable[[list[Event]], bool]) -> bool:
+        """Watch ``[key, end)`` from the revision just read until ``wanted`` holds for the events seen
+        (True) or the monotonic time ``until`` passes (False); lost events count as wanted."""
+        watch = self._watches()
+        start = cursor = watch.seq
+        watch.watch(name, key, end, self._kv.revision + 1)
+        try:
+            while time.monotonic() < until:
+                watch.wait(cursor, until - time.monotonic())
+                events = watch.since(start)
+                if events is None or events and wanted(events):
+                    return True
+                cursor = watch.seq
+            return False
+        finally:
+            watch.unwatch(name)
+
+    def _watches(self) -> WatchSet:
+        """This agent's :class:`WatchSet`, started on first use."""
         if self._watch is None:
             self._watch = WatchSet(lambda: EtcdClient(self.settings, self._shared))
-        agents = self._p + "agents/"
-        start = cursor = self._watch.seq
-        self._watch.watch("agents", agents, prefix_end(agents), self._kv.revision + 1)
-        until = min(deadline, time.monotonic() + ttl)
-        came = False
-        try:
-            while not came and time.monotonic() < until:
-                self._watch.wait(cursor, until - time.monotonic())
-                events = self._watch.since(start)
-                came = events is None or any(e.kind == "PUT" and e.key.startswith(agents) for e in events)
-                cursor = self._watch.seq
-        finally:
-            self._watch.unwatch("agents")
-        return not came and until < deadline
+        return self._watch
 
     def _accept(self, epoch_doc: dict) -> None:
         """Check this node's token against the incarnation's auth marker and take its sealer.
@@ -195,9 +204,7 @@ class Registration(HandlerBase):
         self._epoch, self._job_lease, self._epoch_rev = epoch_id, job_lease, epoch_rev
         self._quiet_epoch = 0
         self._q = f"{self._p}e/{epoch_id}/"
-        if self._watch is None:
-            self._watch = WatchSet(lambda: EtcdClient(self.settings, self._shared))
-        if "job" not in self._watch.ranges():
+        if "job" not in self._watches().ranges():
             # The job's own keys: abort, abort_code, current, finished.
             self._watch.watch("job", self._q + "abort", one_key_end(self._q + "finished"), self._kv.revision + 1)
             assert self._keeper is not None
