@@ -161,6 +161,8 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._ring: list[str] = []
         self._seen_signal = 0
         self._worker_store = None
+        #: ``(key, raw value)`` of the result a follower read together with ``closed``.
+        self._fetched: tuple[str, bytes | None] = ("", None)
         self._heartbeat: Heartbeat | None = None
         self._hb_counter = 0
         self._watch = RingWatch(self.conf["heartbeat_timeout"])
@@ -288,12 +290,13 @@ class StoreRendezvousHandler(RendezvousHandler):
         raw = self._peek(key, store)
         return [] if raw is None else self._auth.open_lines(key, raw)
 
-    def _wait(self, key: str, timeout: float) -> bool:
-        """Block until ``key`` exists or ``timeout`` passes (one store operation)."""
+    def _wait(self, key: str | list[str], timeout: float) -> bool:
+        """Block until ``key`` (every key of a list) exists or ``timeout`` passes (one store operation)."""
+        keys = [key] if isinstance(key, str) else key
         if timeout <= 0:
-            return self._exists(key)
+            return bool(self._store.check(keys))
         try:
-            self._store.wait([key], datetime.timedelta(seconds=timeout))
+            self._store.wait(keys, datetime.timedelta(seconds=timeout))
             return True
         except Exception as exc:
             if "timeout" in str(exc).lower():
@@ -302,8 +305,7 @@ class StoreRendezvousHandler(RendezvousHandler):
 
     # ------------------------------------------------------------------ heartbeats
     def _start_heartbeat(self) -> None:
-        if self._heartbeat is None:
-            self._beat()
+        if self._heartbeat is None:  # its thread's first beat is at once, beside the join's own operations
             self._heartbeat = Heartbeat(self.conf["heartbeat_interval"], self._beat, self._on_heartbeat_error)
             self._heartbeat.start()
 
@@ -473,6 +475,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         Returns the highest arrival index admitted to the round.
         """
         closed_key = self._r(round_, "closed")
+        result_key = self._r(round_, "result")
         prev = self._prev_members(round_)
         slots = _Slots()
         closer = RingWatch(self.conf["heartbeat_timeout"])  # the first joiner's heartbeats (see below)
@@ -481,8 +484,10 @@ class StoreRendezvousHandler(RendezvousHandler):
         poll = _CLOSER_POLL if idx == 1 else _follower_poll(idx)
         next_check = time.monotonic() if idx == 1 else time.monotonic() + poll
         # Whether ``closed`` is worth reading now: always for the first joiner; for the others once
-        # their wait saw the key (a wait that timed out costs no read, and a key already there ends
-        # the first wait at once: at thousands of joiners each store operation counts).
+        # their wait saw it and ``result`` (a wait that timed out costs no read, and keys already
+        # there end the first wait at once: at thousands of joiners each store operation counts).
+        # Waiting for both keys, not ``closed`` alone, wakes each follower once per round, and the
+        # two are read with one ``multi_get``.
         look = idx == 1
         held = False  # ``closed`` exists but is not authentic (forged): poll instead of waiting
         while True:
@@ -490,9 +495,13 @@ class StoreRendezvousHandler(RendezvousHandler):
             if now >= deadline:
                 raise self._timeout_error(round_)
             if look:
-                raw = self._peek(closed_key)
+                if idx == 1 or held:
+                    raw, result_raw = self._peek(closed_key), None
+                else:  # the wait saw both keys: one read for the two
+                    raw, result_raw = self._store.multi_get([closed_key, result_key])
                 closed = None if raw is None else self._auth.open(closed_key, raw)
                 if closed is not None:
+                    self._fetched = (result_key, result_raw)
                     return int(closed.split(":")[0])
                 held = raw is not None
             if self._error is not None:
@@ -552,7 +561,7 @@ class StoreRendezvousHandler(RendezvousHandler):
                 time.sleep(_CLOSER_POLL)
                 look = True
             else:
-                look = self._wait(closed_key, max(0.0, min(next_check, deadline) - time.monotonic()))
+                look = self._wait([closed_key, result_key], max(0.0, min(next_check, deadline) - time.monotonic()))
 
     def _closer_alive(self, round_: int, watch: RingWatch) -> bool:
         """Whether the first joiner of ``round_`` (its closer) is authentic and still heartbeats.
@@ -629,8 +638,16 @@ class StoreRendezvousHandler(RendezvousHandler):
         causes = self._lost_causes(round_ - 1, lost)
         generation = int(self._store.add(self._k("generation"), 1)) - 1
         restarts_used = min(used, self.params.max_restarts) if abort is None else used
+        extra: dict[str, Any] = {"lost_causes": causes}
+        if abort is None and members and members[0].node_id == self._node.node_id:
+            # This closer is group rank 0 (in round 0 the first joiner always is): it starts the
+            # workers' store now and the result carries its address, so no member waits for
+            # ``store`` on its own (at thousands of nodes, one wake-up and two operations each).
+            self._worker_store = host_worker_store(members[0].addr)
+            extra["store"] = f"{members[0].addr}:{self._worker_store.port}"
+            self._put(self._r(round_, "store"), extra["store"])
         doc = result_document(members, generation, restarts_used, self.params.max_restarts, abort, abort_code, lost,
-                              lost_causes=causes)
+                              **extra)
         self._put(self._r(round_, "result"), encode_result(doc))
         if abort is not None:
             self._put(self._k("abort_code"), str(abort_code))
@@ -652,8 +669,12 @@ class StoreRendezvousHandler(RendezvousHandler):
 
     def _await_result(self, round_: int, node: NodeInfo, deadline: float) -> RoundResult | None:
         """This node's view of closed round ``round_``; None when it turned out unusable for it."""
+        result_key = self._r(round_, "result")
+        fetched_key, fetched = self._fetched
+        self._fetched = ("", None)
+        value = self._auth.open(result_key, fetched) if fetched is not None and fetched_key == result_key else None
         try:
-            doc = decode_result(self._await_value(self._r(round_, "result"), deadline) or "{}")
+            doc = decode_result(value or self._await_value(result_key, deadline) or "{}")
         except TimeoutError:
             raise self._timeout_error(round_) from None
         if doc.get("abort"):
@@ -663,14 +684,18 @@ class StoreRendezvousHandler(RendezvousHandler):
         if me is None:
             return None
         store_key = self._r(round_, "store")
-        self._worker_store = None
-        if me.group_rank == 0:
-            self._worker_store = host_worker_store(me.addr)
-            self._put(store_key, f"{me.addr}:{self._worker_store.port}")
-        try:
-            address = self._await_value(store_key, deadline, time.monotonic() + _STORE_WAIT)
-        except TimeoutError:
-            raise self._timeout_error(round_) from None
+        address = doc.get("store")  # the closer, as group rank 0, started the workers' store already
+        if address is not None and me.group_rank != 0:
+            self._worker_store = None  # this node's store of an earlier round, if it hosted one
+        if address is None:
+            self._worker_store = None
+            if me.group_rank == 0:
+                self._worker_store = host_worker_store(me.addr)
+                self._put(store_key, f"{me.addr}:{self._worker_store.port}")
+            try:
+                address = self._await_value(store_key, deadline, time.monotonic() + _STORE_WAIT)
+            except TimeoutError:
+                raise self._timeout_error(round_) from None
         if address is None:
             host = next(m for m in members if m.group_rank == 0)
             self._declare_gone(round_, host.node_id, f"dead:{node.node_id}")
