@@ -163,6 +163,8 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._worker_store = None
         #: ``(key, raw value)`` of the result a follower read together with ``closed``.
         self._fetched: tuple[str, bytes | None] = ("", None)
+        #: The node that closed the round this node last saw closed (from the ``closed`` value).
+        self._closer = ""
         self._heartbeat: Heartbeat | None = None
         self._hb_counter = 0
         self._watch = RingWatch(self.conf["heartbeat_timeout"])
@@ -486,8 +488,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         # Whether ``closed`` is worth reading now: always for the first joiner; for the others once
         # their wait saw it and ``result`` (a wait that timed out costs no read, and keys already
         # there end the first wait at once: at thousands of joiners each store operation counts).
-        # Waiting for both keys, not ``closed`` alone, wakes each follower once per round, and the
-        # two are read with one ``multi_get``.
+        # Waiting for both keys, not ``closed`` alone, wakes each follower once per round.
         look = idx == 1
         held = False  # ``closed`` exists but is not authentic (forged): poll instead of waiting
         while True:
@@ -495,13 +496,14 @@ class StoreRendezvousHandler(RendezvousHandler):
             if now >= deadline:
                 raise self._timeout_error(round_)
             if look:
-                if idx == 1 or held:
-                    raw, result_raw = self._peek(closed_key), None
-                else:  # the wait saw both keys: one read for the two
-                    raw, result_raw = self._store.multi_get([closed_key, result_key])
+                raw = self._peek(closed_key)
                 closed = None if raw is None else self._auth.open(closed_key, raw)
                 if closed is not None:
-                    self._fetched = (result_key, result_raw)
+                    # Read with ``_peek``, never ``multi_get``: that blocks for ``read_timeout`` on a key
+                    # that is absent, and a ``wait`` can return before its keys are all there (seen
+                    # once in ~10 runs of a round whose closer died: a stale answer of the store).
+                    self._fetched = (result_key, None if idx == 1 or held else self._peek(result_key))
+                    self._closer = closed.partition(":")[2]
                     return int(closed.split(":")[0])
                 held = raw is not None
             if self._error is not None:
@@ -551,10 +553,12 @@ class StoreRendezvousHandler(RendezvousHandler):
                     last = size if admitted is None else admitted[-1][0]
                     won, value = self._claim(closed_key, f"{last}:{self._node.node_id}")
                     if won:
+                        self._closer = self._node.node_id
                         self._put(self._k("current"), str(round_ + 1))
                         self._publish_result(round_, last, prev is not None, admitted)
                         return last
                     if value is not None:
+                        self._closer = value.partition(":")[2]
                         return int(value.split(":")[0])
                 next_check = now + poll
             if idx == 1 or held:
@@ -611,12 +615,10 @@ class StoreRendezvousHandler(RendezvousHandler):
             nodes = [info for _, info in admitted]
         else:
             keys = [self._r(round_, "node", i) for i in range(1, size + 1)]
-            try:
-                # A joiner writes its info right after taking its slot; allow a moment for the last ones.
-                self._store.wait(keys, datetime.timedelta(seconds=_SLOT_WAIT))
+            # A joiner writes its info right after taking its slot; allow a moment for the last ones.
+            if _all_present(self._store, keys, _SLOT_WAIT):
                 raw = list(zip(keys, self._store.multi_get(keys), strict=True))
-            except Exception:
-                # A joiner died between taking a slot and filling it: leave it out of the round.
+            else:  # a joiner died between taking a slot and filling it: leave it out of the round
                 raw = [(k, self._get(k)) for k in keys if self._exists(k)]
             nodes = [NodeInfo.from_json(v) for v in (self._auth.open(k, r) for k, r in raw) if v is not None]
         members = assign_ranks(nodes)
@@ -643,9 +645,13 @@ class StoreRendezvousHandler(RendezvousHandler):
             # This closer is group rank 0 (in round 0 the first joiner always is): it starts the
             # workers' store now and the result carries its address, so no member waits for
             # ``store`` on its own (at thousands of nodes, one wake-up and two operations each).
-            self._worker_store = host_worker_store(members[0].addr)
-            extra["store"] = f"{members[0].addr}:{self._worker_store.port}"
-            self._put(self._r(round_, "store"), extra["store"])
+            try:
+                self._worker_store = host_worker_store(members[0].addr)
+            except Exception:  # publish without it: taking this node's place tries again, and fails there
+                self._worker_store = None
+            if self._worker_store is not None:
+                extra["store"] = f"{members[0].addr}:{self._worker_store.port}"
+                self._put(self._r(round_, "store"), extra["store"])
         doc = result_document(members, generation, restarts_used, self.params.max_restarts, abort, abort_code, lost,
                               **extra)
         self._put(self._r(round_, "result"), encode_result(doc))
@@ -667,6 +673,20 @@ class StoreRendezvousHandler(RendezvousHandler):
             if now >= deadline:
                 raise TimeoutError
 
+    def _await_published(self, key: str, deadline: float) -> str | None:
+        """The closed round's result under ``key``; None once its closer stopped heartbeating without
+        writing it (it died between its close and its result: the round never formed, and waiting
+        for it would last until ``join_timeout``).  A closer that still heartbeats is waited for."""
+        closer = self._closer if self._closer != self._node.node_id else ""
+        watch = RingWatch(float(self.conf["heartbeat_timeout"]))
+        watch.retarget(closer or None)
+        while True:
+            value = self._await_value(key, deadline, time.monotonic() + 1.0)
+            if value is not None:
+                return value
+            if closer and watch.observe(self._read(self._k("hb", closer))):
+                return None
+
     def _await_result(self, round_: int, node: NodeInfo, deadline: float) -> RoundResult | None:
         """This node's view of closed round ``round_``; None when it turned out unusable for it."""
         result_key = self._r(round_, "result")
@@ -674,9 +694,12 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._fetched = ("", None)
         value = self._auth.open(result_key, fetched) if fetched is not None and fetched_key == result_key else None
         try:
-            doc = decode_result(value or self._await_value(result_key, deadline) or "{}")
+            value = value or self._await_published(result_key, deadline)
         except TimeoutError:
             raise self._timeout_error(round_) from None
+        if value is None:
+            return None  # its closer died before publishing it: the round never formed
+        doc = decode_result(value)
         if doc.get("abort"):
             raise JobFailedError("the job was ended", doc["abort"], int(doc.get("abort_code", 1)))
         members = [Member(**m) for m in doc["members"]]
@@ -885,17 +908,19 @@ class _Slots:
 
 
 def _all_present(store, keys: list[str], timeout: float) -> bool:
-    """Whether every key exists, after waiting up to ``timeout`` s for the last ones (one
-    operation, where checking slot by slot would be one per key)."""
+    """Whether every key exists, after waiting up to ``timeout`` s for the last ones (a few
+    operations, where checking slot by slot would be one per key)."""
     if store.check(keys):
         return True
     if timeout <= 0:
         return False
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout))
-        return True
     except Exception:
         return False
+    # Checked again: ``multi_get`` blocks for ``read_timeout`` on an absent key, and a ``wait`` has
+    # been seen to return before all its keys were there.
+    return bool(store.check(keys))
 
 
 def validate_params(params: RendezvousParameters) -> None:

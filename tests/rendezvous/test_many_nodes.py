@@ -63,33 +63,37 @@ def test_a_round_with_many_nodes_is_consistent(token, monkeypatch):
 
 
 _FIRST_JOINER = """
-import sys, time
+import os, signal, sys, time
 from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
 from elastrun.rendezvous.c10d import create_handler
 conf = {"is_host": "false", "host_linger": "0", "heartbeat_interval": "0.2", "heartbeat_timeout": "1"}
-h = create_handler(RendezvousParameters("c10d", sys.argv[1], sys.argv[2], 3, 3, config=conf))
+h = create_handler(RendezvousParameters("c10d", sys.argv[1], sys.argv[2], int(sys.argv[4]), 3, config=conf))
 if sys.argv[3] == "stuck":
     h._claim = lambda *args, **kwargs: time.sleep(3600)  # the fault: its close never happens, its heartbeats go on
+if sys.argv[3] == "dies_closing":  # the fault: it dies after its close, before its result
+    h._publish_result = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
 h.next_round(NodeInfo("first", "127.0.0.1", 1, hostname="first", prev_group_rank=2))  # rank 0 hosts the workers' store
 """
 
 
-def _round_after_a_faulty_first_joiner(monkeypatch, fault: str) -> tuple[dict, float]:
-    """A 3-node round with a job token whose first joiner is a process of its own: once it joined,
-    ``fault`` is applied ("killed": SIGKILL; "stuck": its close never happens, its heartbeats go
-    on), then the two other nodes join.  Returns their round results by name and how long they took."""
+def _round_after_a_faulty_first_joiner(monkeypatch, fault: str, min_nodes: int = 3) -> tuple[dict, float]:
+    """A round of up to 3 nodes with a job token whose first joiner is a process of its own: once it
+    joined, ``fault`` is applied ("killed": SIGKILL; "stuck": its close never happens, its heartbeats
+    go on; "dies_closing": it dies once it closed the round, before the result), then the two other
+    nodes join.  Returns their round results by name and how long they took."""
     run_id = f"first-{fault}"
     monkeypatch.setenv("ELASTRUN_JOB_TOKEN", f"{run_id}-0123456789abcdef0123456789")
     port = free_port()
-    conf = {"host_linger": "0", "heartbeat_interval": "0.2", "heartbeat_timeout": "1"}
+    conf = {"host_linger": "0", "heartbeat_interval": "0.2", "heartbeat_timeout": "1", "join_timeout": "60"}
 
     def params(host: bool) -> RendezvousParameters:
-        return RendezvousParameters("c10d", f"127.0.0.1:{port}", run_id, 3, 3,
+        return RendezvousParameters("c10d", f"127.0.0.1:{port}", run_id, min_nodes, 3,
                                     config={**conf, "is_host": str(host).lower()})
 
     host = create_handler(params(True))
     other = create_handler(params(False))
-    child = subprocess.Popen([sys.executable, "-c", _FIRST_JOINER, f"127.0.0.1:{port}", run_id, fault],
+    child = subprocess.Popen([sys.executable, "-c", _FIRST_JOINER, f"127.0.0.1:{port}", run_id, fault,
+                              str(min_nodes)],
                              env=base_env())
     results: dict[str, object] = {}
     try:
@@ -112,8 +116,6 @@ def _round_after_a_faulty_first_joiner(monkeypatch, fault: str) -> tuple[dict, f
         if fault == "stuck":
             assert child.poll() is None, "the stuck first joiner must still be alive (and heartbeating)"
         assert set(results) == {"host", "other"}
-        assert {r.group_world_size for r in results.values()} == {3}
-        assert {m.node_id for m in results["host"].members} == {"first", "host", "other"}
         return results, took
     finally:
         if child.poll() is None:
@@ -128,6 +130,8 @@ def test_with_a_token_a_round_whose_first_joiner_died_is_closed_by_the_next_join
     process is gone here): the round closes with the joins there are, the dead one included (the
     ring watch finds it next)."""
     results, took = _round_after_a_faulty_first_joiner(monkeypatch, "killed")
+    assert {r.group_world_size for r in results.values()} == {3}
+    assert {m.node_id for m in results["host"].members} == {"first", "host", "other"}
     assert results["host"].members[2].node_id == "first"
     assert took < 15  # grace 2 s + heartbeat silence 1 s + the close
 
@@ -135,6 +139,18 @@ def test_with_a_token_a_round_whose_first_joiner_died_is_closed_by_the_next_join
 def test_with_a_token_a_first_joiner_that_heartbeats_but_never_closes_is_rescued(monkeypatch):
     """A first joiner whose close is stuck while its heartbeats go on: the next joiners leave it
     alone for their grace plus four heartbeat timeouts (it might only be slow), then close the round."""
-    _, took = _round_after_a_faulty_first_joiner(monkeypatch, "stuck")
+    results, took = _round_after_a_faulty_first_joiner(monkeypatch, "stuck")
+    assert {m.node_id for r in results.values() for m in r.members} == {"first", "host", "other"}
     # Not before grace (2 s) + 4 heartbeat timeouts (4 s): it was alive; well before join_timeout.
     assert 5.5 < took < 15, took
+
+
+def test_a_round_whose_closer_died_before_its_result_is_given_up_and_the_next_one_forms(monkeypatch):
+    """The first joiner closes round 0 and dies before it publishes the result.  The others stop
+    waiting for that result once the closer's heartbeats stopped (not at ``join_timeout``), and the
+    two survivors form round 1 (``min_nodes`` 2)."""
+    results, took = _round_after_a_faulty_first_joiner(monkeypatch, "dies_closing", min_nodes=2)
+    assert {r.round for r in results.values()} == {1}
+    assert {r.group_world_size for r in results.values()} == {2}
+    assert {m.node_id for m in results["host"].members} == {"host", "other"}
+    assert took < 20, took  # grace 2-4 s + heartbeat silence 1 s, twice, + round 1's last call 1 s
