@@ -112,22 +112,27 @@ def child(endpoints: str, run_id: str, first: int, count: int, nodes: int, conf:
     handlers = {i: create_handler(RendezvousParameters("etcd", endpoints, run_id, nodes, nodes, config=config))
                 for i in range(first, first + count)}
     counts = _count_requests()
-    print(json.dumps({"ready": len(handlers)}), flush=True)
-    sys.stdin.readline()  # "go"
-    cpu = time.process_time()
     ends: dict[int, float] = {}
     errors: list[str] = []
+    go = threading.Event()
 
     def join(i: int) -> None:
+        go.wait()
         try:
             handlers[i].next_round(NodeInfo(f"n{i:05d}", "127.0.0.1", 1))
             ends[i] = time.time()
         except Exception as exc:
             errors.append(f"agent {i}: {exc}")
 
+    # Every agent's thread exists and waits before "go", so the round does not include the
+    # process's main thread creating and starting them one after another.
     threads = [threading.Thread(target=join, args=(i,)) for i in handlers]
     for t in threads:
         t.start()
+    print(json.dumps({"ready": len(handlers)}), flush=True)
+    sys.stdin.readline()  # "go"
+    cpu = time.process_time()
+    go.set()
     for t in threads:
         t.join(ROUND_TIMEOUT)
     events = sum(h._watch.seq for h in handlers.values() if h._watch is not None)
