@@ -500,8 +500,8 @@ class StoreRendezvousHandler(RendezvousHandler):
                 closed = None if raw is None else self._auth.open(closed_key, raw)
                 if closed is not None:
                     # Read with ``_peek``, never ``multi_get``: that blocks for ``read_timeout`` on a key
-                    # that is absent, and a ``wait`` can return before its keys are all there (seen
-                    # once in ~10 runs of a round whose closer died: a stale answer of the store).
+                    # that is absent, and a ``wait`` for both keys was seen to return while ``result``
+                    # was still absent (once in ~10 runs of a round whose closer died; cause unknown).
                     self._fetched = (result_key, None if idx == 1 or held else self._peek(result_key))
                     self._closer = closed.partition(":")[2]
                     return int(closed.split(":")[0])
