@@ -24,12 +24,17 @@ fsync takes well under a millisecond, and this VM's shared virtual disk is no mo
 64 agents the disk made no difference beyond the noise (1.72 s on it, 0.9-1.7 s on tmpfs): the
 round is bound by CPU.  ``--disk`` puts the data directory in ``/tmp`` instead.
 
+``--etcd-cpus K`` pins the member to the first K CPUs and the agents (this process and its
+children) to the others: on a machine with more cores than this VM's two, that models a cluster
+where the agents run elsewhere and etcd has K cores of its own, so the round measures the
+protocol and the member rather than N agents' Python queued on etcd's cores.
+
 ``--busy K`` runs K busy loops beside it all, to overload the member (docs/etcd.md, "When etcd is
 overloaded").  A round that does not form by ``join_timeout`` is reported with the number of
 agents done and their first errors; failed requests are counted by cause, job-lease grants apart.
 
 Run: ``.venv/bin/python -m bench.bench_rendezvous_etcd [--procs 4] [--repeat 3] [--token] [--disk]
-[--busy K] [--conf KEY=VALUE,...] [N ...]`` (default 2 8 32; ``--conf`` is the agents' ``--rdzv-conf``).
+[--busy K] [--etcd-cpus K] [--conf KEY=VALUE,...] [N ...]`` (default 2 8 32; ``--conf`` is the agents' ``--rdzv-conf``).
 """
 
 from __future__ import annotations
@@ -236,15 +241,25 @@ def main() -> None:
     parser.add_argument("--no-detection", action="store_true", help="skip the lost-node detection")
     parser.add_argument("--busy", type=int, default=0,
                         help="busy loops competing for the CPU during the rounds (an overloaded etcd)")
+    parser.add_argument("--etcd-cpus", type=int, default=0,
+                        help="pin etcd to the first K CPUs and the agents to the rest (0: no pinning)")
     parser.add_argument("--conf", default="", help="the agents' --rdzv-conf (KEY=VALUE,...); default: the defaults")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # ``timeout``: still stop etcd and remove its data
     from tests.rendezvous.etcd_cluster import EtcdCluster
 
     data_root = None if args.disk or not os.path.isdir("/dev/shm") else "/dev/shm"
+    wrap = []
+    if args.etcd_cpus:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) <= args.etcd_cpus:
+            parser.error(f"--etcd-cpus {args.etcd_cpus} leaves no CPU for the agents ({len(cpus)} available)")
+        wrap = ["taskset", "-c", ",".join(map(str, cpus[:args.etcd_cpus]))]
+        os.sched_setaffinity(0, cpus[args.etcd_cpus:])  # inherited by the agents' processes
+        print(json.dumps({"etcd_cpus": cpus[:args.etcd_cpus], "agent_cpus": cpus[args.etcd_cpus:]}), flush=True)
     busy = [subprocess.Popen([PYTHON, "-c", "while True: pass"]) for _ in range(args.busy)]
     try:
-        with EtcdCluster(1, data_root=data_root) as cluster:
+        with EtcdCluster(1, data_root=data_root, wrap=wrap) as cluster:
             print(json.dumps({"etcd_data_dir": str(cluster.dir)}), flush=True)
             for n in args.nodes:
                 rows = [one_round(cluster, n, args.procs, args.token, r, args.conf) for r in range(args.repeat)]

@@ -379,15 +379,18 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
         closed_at = next(d["closed_at"] for d in done if d.get("closed_at"))
         closer = next(d["closer"] for d in done if d.get("closer"))
         full_end = max(d["full_end"] for d in done if d.get("full_end"))
-        phases = {name: round(max(d[name] for d in done if d.get(name)) - go, 3)
-                  for name in ("joins_written", "last_fetch")}
-        phases["first_fetch"] = round(min(d["first_fetch"] for d in done if d.get("first_fetch")) - go, 3)
+        phases = {name: _since(go, pick, [d[name] for d in done if d.get(name)])
+                  for name, pick in (("joins_written", max), ("last_fetch", max), ("first_fetch", min))}
         result_bytes = max(d.get("result_bytes", 0) for d in done)
         tell(children, "beat")
         beat_rows = read_lines(children)
         beats = sum(b.get("beats", 0) for b in beat_rows)
         store_cpu = beat_rows[0].get("store_cpu_s", 0.0)
         tell(children, "close")
+    except BaseException:
+        for c in children:  # they wait for a word that will not come
+            c.kill()
+        raise
     finally:
         for c in children:
             try:
@@ -404,6 +407,11 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
             "setup_s": round(setup, 1), "store_connections": connections,
             "beats_per_s": round(beats / beat_seconds, 1), "beats_per_s_configured": nodes / 0.5,
             "store_thread_busy": round(store_cpu / beat_seconds, 3)}
+
+
+def _since(go: float, pick, times: list[float]) -> float | None:
+    """``pick`` (min or max) of the light nodes' phase marks, in seconds after "go"; None without light nodes."""
+    return round(pick(times) - go, 3) if times else None
 
 
 def auth_cost(nodes: int, repeat: int = 2000) -> dict:
