@@ -21,9 +21,8 @@ handler end to end.  The others are *light*: the real handler class with two ste
   O(n) per node and runs on every machine at once on a cluster, so it adds its own duration (the
   ``parse_ms`` figure, timed alone) to a real round, not n times that;
 - the heartbeats of a process's light nodes are sent by one thread, in turn, each over the node's
-  own connection with the real ``_beat`` (same store operations: one write, two reads), and a
-  light node's ring is its own window of the real ring (itself and its next two members) so the
-  ring walk does not scan 4,096 ids per beat on the bench's two cores.
+  own connection with the real ``_beat`` (same store operations: one write, two reads, and the
+  same ring walk over the whole ring).
 
 Everything else — connections (two per node), the join writes, the waits, the closer's work, the
 store address — is the real code.  Full nodes check that their result agrees with the light ones'.
@@ -33,7 +32,16 @@ plus node 0's.  With 4 (256 threads each) the round's closer, whichever node joi
 always one of 256 threads taking turns at one GIL, and its close (read every join, publish the
 result) took 0.3–0.7 s of the round; on a cluster the closer is an agent on its own machine.
 More processes do not take work away from the bench: every node still makes its own store
-operations over its own two connections (2,048 client connections at 1,024 nodes).
+operations over its own two connections (2,048 client connections at 1,024 nodes).  The
+processes keep Python's default switch interval (5 ms): a shorter one makes hundreds of threads
+hand the GIL round so often that most of the CPU goes to the kernel (see docs/benchmarks.md).
+
+**What a node's round costs itself.**  ``full_join_cpu_ms`` is the CPU time of each full node's
+joining thread over its round (median and max, the max being the closer's): what one agent pays
+for the round on its own machine.  With every node a full handler (``--full-every 1``) the round
+time here is n agents' CPU shared by this machine's cores, not the time a round takes on a
+cluster; use ``--procs`` of 16 or more there, since hundreds of handlers in one process mostly
+measure their threads queueing for its GIL.
 
 torch's ``TCPStore`` looks up the peer's name for every connection (``getnameinfo``); where the
 DNS server drops queries (this sandbox) a connection stalls 5 s.  When run as root the bench
@@ -83,7 +91,7 @@ class _SharedParse:
                 members = [Member(**m) for m in doc["members"]]
                 ring = [m.node_id for m in sorted(members, key=lambda m: m.group_rank)]
                 self.rounds[round_] = (doc, members, ring, {m.node_id: m for m in members},
-                                       {n: i for i, n in enumerate(ring)}, sum(m.nproc for m in members))
+                                       sum(m.nproc for m in members))
             return self.rounds[round_]
 
 
@@ -148,7 +156,7 @@ def light_handler_class():
                 raw = self._peek(key)  # the whole document comes over the wire, as for a full node
             self.fetched_at.append(time.time())
             LightHandler.result_bytes = len(raw)
-            doc, members, ring, by_id, index, world = self.shared.get(self, round_, key, raw)
+            doc, members, ring, by_id, world = self.shared.get(self, round_, key, raw)
             me = by_id.get(node.node_id)
             if me is None or me.group_rank == 0:
                 self._fetched = (key, raw)
@@ -159,11 +167,7 @@ def light_handler_class():
                                  group_world_size=len(members), rank_offset=me.rank_offset, world_size=world,
                                  role_rank_offset=me.role_rank_offset, role_world_size=world,
                                  store_addr=store_addr, store_port=int(store_port), members=members)
-            i = index[node.node_id]
-            with self._lock:
-                self._round, self._result = round_, result
-                self._ring = [ring[(i + k) % len(ring)] for k in range(min(3, len(ring)))]
-                self._seen_signal = -1
+            self._adopt(round_, result, ring, by_id)  # the shared parse's ring and members, not copies
             return result
 
         def close(self) -> None:
@@ -198,9 +202,6 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
     set_parent_death_signal(signal.SIGKILL)  # in a session of its own: no terminal signal reaches it
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    # Hundreds of threads that each wait on a socket and then want the GIL: with the default 5 ms
-    # switch interval a thread whose answer came back can wait behind many others (a convoy).
-    sys.setswitchinterval(0.0005)
     from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
     from elastrun.rendezvous.c10d import StoreRendezvousHandler
     from elastrun.rendezvous.endpoint import split_endpoint
@@ -241,15 +242,19 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
     for t in threads:
         t.join()
     ends: dict[int, float] = {}
+    #: CPU seconds of each node's join thread in the round (what the round costs that agent itself).
+    join_cpu: dict[int, float] = {}
     results: dict[int, object] = {}
     go = threading.Event()
 
     def join(i: int) -> None:
         go.wait()
         try:
+            cpu = time.thread_time()
             results[i] = handlers[i].next_round(NodeInfo(node_id=f"node{i:05d}", addr="127.0.0.1", nproc=1,
                                                          hostname=f"h{i}", pid=i))
             ends[i] = time.time()
+            join_cpu[i] = time.thread_time() - cpu
         except Exception as exc:
             errors.append(f"node {i}: {exc}")
 
@@ -284,6 +289,7 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
         closer = (handlers[full[0]]._read(handlers[full[0]]._r(0, "closed")) or ":").partition(":")[2]
     print(json.dumps({"end": max(ends.values()) if ends else None, "joined": len(ends), "errors": errors[:3],
                       "full": len(full), "full_end": max((ends[i] for i in full), default=None),
+                      "full_join_cpu": [join_cpu[i] for i in full],
                       "closed_at": closed_at, "closer": closer, "ranks": ranks, "agree": agree,
                       "joins_written": max(light.joined_at, default=None),
                       "first_fetch": min(light.fetched_at, default=None),
@@ -379,6 +385,7 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
         closed_at = next(d["closed_at"] for d in done if d.get("closed_at"))
         closer = next(d["closer"] for d in done if d.get("closer"))
         full_end = max(d["full_end"] for d in done if d.get("full_end"))
+        join_cpu = [c for d in done for c in d["full_join_cpu"]]
         phases = {name: _since(go, pick, [d[name] for d in done if d.get(name)])
                   for name, pick in (("joins_written", max), ("last_fetch", max), ("first_fetch", min))}
         result_bytes = max(d.get("result_bytes", 0) for d in done)
@@ -403,6 +410,8 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
             "first_result_fetched_s": phases["first_fetch"], "last_result_fetched_s": phases["last_fetch"],
             "result_bytes": result_bytes, "load_at_go": load, "full_nodes": sum(d["full"] for d in done),
             "full_nodes_done_s": round(full_end - go, 3), "parse_ms": round(parse_ms(nodes, token), 1),
+            "full_join_cpu_ms": {"median": round(statistics.median(join_cpu) * 1e3, 1),
+                                 "max": round(max(join_cpu) * 1e3, 1)},
             "store_cpu_in_round_s": done[0].get("store_cpu_s"),
             "setup_s": round(setup, 1), "store_connections": connections,
             "beats_per_s": round(beats / beat_seconds, 1), "beats_per_s_configured": nodes / 0.5,
