@@ -744,8 +744,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         link address in O(1) (a scan of the members per beat is O(n) on every node, twice a second).
         """
         assert self._node is not None
-        me = self._node.node_id
-        pos = result.group_rank if result.group_rank < len(ring) and ring[result.group_rank] == me else ring.index(me)
+        pos = ring.index(self._node.node_id)
         with self._lock:
             self._round = round_
             self._result = result
