@@ -53,6 +53,7 @@ class DiskCandidate:
     world_size: int
     dir: Path
     files: dict[str, dict[str, int]]
+    kind: str = "replicated"  # or "dcp": a sharded state's DCP checkpoint (elastrun/train/sharded/durable.py)
 
     @property
     def rng_ranks(self) -> list[int]:
@@ -148,8 +149,8 @@ class CheckpointDir:
                 continue
             try:
                 m = json.loads(mpath.read_text())
-                step, ws, files = int(m["step"]), int(m["world_size"]), m["files"]
-                if SHARED not in files:
+                step, ws, files, kind = int(m["step"]), int(m["world_size"]), m["files"], m.get("kind", "replicated")
+                if SHARED not in files and kind == "replicated":
                     raise ValueError(f"no {SHARED} entry")
             except (ValueError, KeyError, TypeError, OSError) as e:
                 if warn:
@@ -170,7 +171,7 @@ class CheckpointDir:
                 if warn:
                     notes.warn(bad, stacklevel=2)
                 continue
-            found.append(DiskCandidate(step, ws, d, files))
+            found.append(DiskCandidate(step, ws, d, files, kind))
         return sorted(found, key=lambda c: -c.step)
 
     def load_shared(self, cand: DiskCandidate) -> tuple[dict[str, Any], torch.Tensor]:

@@ -83,6 +83,18 @@ def _snapshot_dir(explicit: str | Path | None) -> tuple[Path, bool]:
     return Path(tempfile.mkdtemp(prefix="elastrun-snap-", dir=base)), True
 
 
+def _sharded_part(state: State, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> Any:
+    """Issue 24: a ``ShardedState`` for a model or optimizer with DTensor parameters (FSDP2), else None.
+    Refuses (``Unsupported``, one line) what neither path can snapshot: FSDP1, ZeRO, Partial DTensors."""
+    from elastrun.train.sharded import layout
+
+    if not (layout.check_model(layout.unwrap(model)) | layout.check_optimizer(optimizer)):
+        return None
+    from elastrun.train.sharded.core import ShardedState
+
+    return ShardedState(state)
+
+
 class State:
     """Everything a training job must get back after a crash, a restart or a resize.
 
@@ -140,6 +152,8 @@ class State:
         snap_dir, self._owns_snap_dir = _snapshot_dir(snapshot_dir)
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
         self._mem = MemorySnapshots(snap_dir, run_id)
+        #: Issue 24: the sharded half (elastrun/train/sharded/) when the model has DTensor parameters.
+        self._sharded = _sharded_part(self, model, optimizer)
         self._async = async_snapshot and optimizer is not None
         self._writer = BackgroundJob("elastrun-snapshot")
         self._copy: SnapshotCopy | None = None  # the running background copy, if any
@@ -308,9 +322,11 @@ class State:
         if self._writes_shared and self.step % 100 == 0:
             self._mem.prune_rng(self.step - 2 * RNG_KEEP)
         durable = self._ckpt is not None and (stop or (self._every > 0 and self.step % self._every == 0))
-        if self._writes_shared and (durable or self.step % self._snapshot_every == 0):
+        if self._sharded is not None:  # issue 24: every rank snapshots and persists its own shard
+            self._sharded.commit(durable, stop, self._async)
+        elif self._writes_shared and (durable or self.step % self._snapshot_every == 0):
             self._snapshot(durable and self._rank == 0, stop, self._async)
-        if durable and self._rank != 0:
+        if durable and self._rank != 0 and self._sharded is None:
             assert self._ckpt is not None
             ckpt, step, payload = self._ckpt, self.step, self._mem.read_rng(self._rank, self.step)
             self._persister.submit(lambda: ckpt.write_rng(step, self._rank, payload or b""))
@@ -390,6 +406,8 @@ class State:
         must call it, e.g. at the end of training)."""
         if self._ckpt is None:
             raise RuntimeError("State.checkpoint() needs a checkpoint_dir")
+        if self._sharded is not None:  # issue 24
+            return self._sharded.checkpoint()
         self._drain()
         self._persister.wait()
         if self._writes_shared and not any(i.step == self.step for i in self._mem.scan()):
@@ -405,6 +423,14 @@ class State:
             self._persister.submit(lambda: ckpt.write_rng(step, rank, payload))
         self._persister.wait()
 
+    def load_dcp(self, checkpoint_id: str | os.PathLike) -> None:
+        """Load the model and optimizer from a DCP checkpoint (``dcp.save`` of ``{"model": ...,
+        "optimizer": get_optimizer_state_dict(...)}``, e.g. torchtitan's), at this world size.
+        Collective.  For a job's first start: ``if state.restore() is None: state.load_dcp(path)``."""
+        from elastrun.train.sharded.core import load_dcp  # issue 24
+
+        load_dcp(self, checkpoint_id)
+
     def flush(self) -> None:
         """Block until the last commit's memory snapshot (and any durable checkpoint) is written."""
         self._drain()
@@ -413,7 +439,7 @@ class State:
     # -- restore ---------------------------------------------------------------------------------
     def _report(self) -> tuple[Report, dict[int, SlotInfo], dict[int, DiskCandidate]]:
         slots = {i.step: i for i in self._mem.scan()}
-        disk = {c.step: c for c in self._ckpt.scan(warn=self._rank == 0)} if self._ckpt else {}
+        disk = {c.step: c for c in self._ckpt.scan(warn=self._rank == 0) if c.kind != "dcp"} if self._ckpt else {}
         mem_rng = self._mem.scan_rng()
         live = self._live_step()
         if live is not None:  # this rank's own RNG states of its live step, held in memory
@@ -441,6 +467,8 @@ class State:
         return self.last_restore
 
     def _restore(self) -> str | None:
+        if self._sharded is not None:  # issue 24
+            return self._sharded.restore()
         self._drain()
         self._persister.wait()
         report, slots, disk = self._report()

@@ -13,6 +13,11 @@ Faults are injected from ``--crash ATTEMPT:RANK:STEP:WHERE`` (repeatable): in at
 (``TORCHELASTIC_RESTART_COUNT``) rank RANK SIGKILLs itself at step STEP, WHERE being ``before``
 (after ``optimizer.step()``, before ``commit()``), ``after`` (after ``commit()``) or ``copy``
 (in the middle of the memory-snapshot copy, between two of its chunks).
+
+``--fsdp`` shards the model with FSDP2 (``fully_shard``, AdamW) instead; rank 0 then also writes
+``digest.jsonl`` (attempt, step, world size, SHA-256 of the full parameters after each commit) and
+the restore records carry the digest of what was restored.  ``--truncate ATTEMPT:RANK:STEP``
+truncates that rank's newest shard snapshot file just before a crash injected at the same step.
 """
 
 from __future__ import annotations
@@ -49,10 +54,13 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--crash", action="append", default=[])
     p.add_argument("--ddp", action="store_true", help="wrap in DDP (else all-reduce gradients by hand)")
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) and use AdamW")
+    p.add_argument("--truncate", default=None, help="ATTEMPT:RANK:STEP: truncate a shard snapshot before a crash")
     p.add_argument("--stop-at-step", type=int, default=0, help="exit cleanly once this step is committed")
     p.add_argument("--flush", action="store_true", help="wait for each commit's writes (no checkpoint skipped)")
     p.add_argument("--reform", action="store_true", help="run the training body with et.run (in-process re-forms)")
-    p.add_argument("--hold-file", default=None, help="at world size 1, wait (at most 120 s) while this file exists")
+    p.add_argument("--hold-file", default=None, help="below --hold-world, wait (at most 120 s) while this file exists")
+    p.add_argument("--hold-world", type=int, default=2)
     a = p.parse_args()
 
     out = Path(a.out)
@@ -70,8 +78,9 @@ def main() -> None:
         et.run(lambda st: train(a, out, net, None, opt, sampler, loader, st), state)
     else:
         info = et.init_distributed()
-        model = DDP(net) if a.ddp else net
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model = fsdp(net) if a.fsdp else DDP(net) if a.ddp else net
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01) if a.fsdp else torch.optim.SGD(
+            model.parameters(), lr=0.05, momentum=0.9)
         sampler = et.ElasticSampler(dataset, batch_size=a.batch, seed=7)
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=a.workers)
         state = make_state(a, model, opt, sampler)
@@ -82,12 +91,37 @@ def main() -> None:
             return
     state.close()
     rank = torch.distributed.get_rank()
+    sha = digest(net)
     if rank == 0:
-        digest = hashlib.sha256()
-        for t in net.state_dict().values():
-            digest.update(t.numpy().tobytes())
-        (out / "final.json").write_text(json.dumps({"step": state.step, "sha256": digest.hexdigest()}))
+        (out / "final.json").write_text(json.dumps({"step": state.step, "sha256": sha}))
     print(f"rank {rank} done at step {state.step}", flush=True)
+
+
+def fsdp(net: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    return fully_shard(net)
+
+
+def digest(net: torch.nn.Module) -> str:
+    """SHA-256 of the full parameters and buffers (collective under FSDP2)."""
+    h = hashlib.sha256()
+    for t in net.state_dict().values():
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        h.update(t.detach().numpy().tobytes())
+    return h.hexdigest()
+
+
+def truncate_newest_shard(rank: int) -> None:
+    from elastrun.train.sharded import slots
+
+    snap = Path(os.environ["ELASTRUN_SNAPSHOT_DIR"])
+    mine = [f for f in slots.scan(snap, os.environ["TORCHELASTIC_RUN_ID"]) if f.rank == rank]
+    newest = max(mine, key=lambda f: f.step)
+    os.truncate(newest.data, newest.header["nbytes"] // 2)
 
 
 def make_state(a: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer, sampler) -> et.State:
@@ -108,10 +142,11 @@ def train(a, out: Path, net, model, opt, sampler, loader, state) -> bool | None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if model is None:
         model = DDP(net) if a.ddp else net
-    (out / f"restore.r{rank}.a{attempt}.json").write_text(
-        json.dumps({"source": state.last_restore, "step": state.step, "world_size": world,
-                    "epoch": sampler.epoch, "pid": os.getpid()})
-    )
+    restored = {"source": state.last_restore, "step": state.step, "world_size": world,
+                "epoch": sampler.epoch, "pid": os.getpid()}  # fmt: skip
+    if a.fsdp:
+        restored["sha256"] = digest(net)
+    (out / f"restore.r{rank}.a{attempt}.json").write_text(json.dumps(restored))
     crashes = {}
     sync_after = set()  # steps after which every rank has committed before someone crashes
     for spec in a.crash:
@@ -138,7 +173,7 @@ def train(a, out: Path, net, model, opt, sampler, loader, state) -> bool | None:
         while sampler.epoch < a.epochs:
             for idx, x, y in loader:
                 step = state.step + 1
-                if a.hold_file and world == 1:  # a re-form interrupts this wait (the node joins)
+                if a.hold_file and world < a.hold_world:  # a re-form interrupts this wait (the node joins)
                     deadline = time.monotonic() + 120
                     while os.path.exists(a.hold_file) and time.monotonic() < deadline:
                         time.sleep(0.05)
@@ -147,7 +182,7 @@ def train(a, out: Path, net, model, opt, sampler, loader, state) -> bool | None:
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 opt.zero_grad()
                 loss.backward()
-                if not a.ddp:  # what DDP does, without its import cost (tests restart workers often)
+                if not a.ddp and not a.fsdp:  # what DDP does, without its import cost (tests restart workers often)
                     for prm in net.parameters():
                         torch.distributed.all_reduce(prm.grad)
                         prm.grad /= world
@@ -165,7 +200,16 @@ def train(a, out: Path, net, model, opt, sampler, loader, state) -> bool | None:
                 if step in sync_after:  # "after commit" means: after every rank's commit finished
                     state.flush()
                     torch.distributed.barrier()
+                if a.fsdp:
+                    sha = digest(net)
+                    if rank == 0:
+                        line = json.dumps({"attempt": attempt, "step": step, "world": world, "sha256": sha})
+                        with open(out / "digest.jsonl", "a") as f:
+                            f.write(line + "\n")
                 if crashes.get(step) == "after":
+                    if a.truncate == f"{attempt}:{rank}:{step}":
+                        state.flush()
+                        truncate_newest_shard(rank)
                     kill_self()
                 if a.sleep:
                     time.sleep(a.sleep)

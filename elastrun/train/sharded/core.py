@@ -1,0 +1,443 @@
+"""What ``State`` does differently for a sharded model (FSDP2: DTensor parameters).
+
+Under DDP one copy of the replicated state per node is enough; here every rank holds a different
+part, so every rank snapshots, persists and restores its own shard:
+
+* ``commit()``: the rank's chunks (parameters, optimizer state, buffers) are copied into its slot
+  in node memory (``slots.py``) by the same idle-priority copy as DDP's, overlapping the next step;
+  the optimizer pre-hook completes it before ``optimizer.step()`` changes them.  Every
+  ``checkpoint_every`` commits the slot is also written as this rank's part of a DCP checkpoint
+  (``durable.py``), in the background.
+* ``restore()``: one ``all_gather`` of what each node holds (``plan.py``), then either every rank
+  loads exactly its new shards from the snapshots of the chosen step, wherever they are (its own
+  node's memory first, then a peer's: ``fetch.py``; resharded by DCP's planner: ``reader.py``), or
+  all load the step's DCP checkpoint from disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import socket
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from elastrun.train import dist as edist
+from elastrun.train import notes
+from elastrun.train.blob import Entry as BlobEntry
+from elastrun.train.blob import Flattened, copy_into
+from elastrun.train.checkpoint import DiskCandidate
+from elastrun.train.copier import SnapshotCopy
+from elastrun.train.sharded import durable, slots
+from elastrun.train.sharded.layout import (
+    Entry,
+    Unsupported,
+    is_dtensor,
+    join,
+    lay_out,
+    optimizer_positional,
+    optimizer_tree,
+    param_names,
+    split,
+    unwrap,
+)
+from elastrun.train.sharded.plan import ShardPlan, ShardReport, make_plan
+from elastrun.train.sharded.reader import entries_of, open_step
+
+if TYPE_CHECKING:
+    from elastrun.train.state import State
+
+FORMAT = "elastrun-shard/1"
+#: Stale snapshots (of another world size) are looked for every this many commits.
+PRUNE_EVERY = 50
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """What a destination tensor must be: from a snapshot entry or a checkpoint's metadata."""
+
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    placements: tuple | None | str  # a DTensor's placements, None (plain), or "?" (unknown: disk)
+    device: str
+
+
+class ShardedState:
+    """The sharded half of a ``State`` (created by it when the model has DTensor parameters)."""
+
+    def __init__(self, state: State) -> None:
+        self.st = state
+        self.module = unwrap(state._model)
+        self.optimizer = state._optimizer
+        if self.optimizer is not None and self.module is None:
+            raise Unsupported("a sharded optimizer needs its model: pass model= to State too")
+        self.names = param_names(self.module, self.optimizer) if self.optimizer is not None else []
+        self._slots: slots.ShardSlots | None = None
+        st = os.stat(state._mem.dir)
+        self.node = f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"
+
+    # -- what is saved ------------------------------------------------------------------------
+    def slots(self) -> slots.ShardSlots:
+        """This rank's slots (made again when the rank changed, or after a restore)."""
+        if self._slots is None or self._slots.rank != self.st._rank:
+            self._slots = slots.ShardSlots(self.st._mem.dir, self.st._mem.run_id, self.st._rank)
+        return self._slots
+
+    def tree(self) -> dict[str, Any]:
+        """The state as DCP names it: ``model.<fqn>``, ``optimizer.state.<fqn>.<name>``, ..."""
+        st = self.st
+        return {
+            "model": self.module.state_dict() if self.module is not None else {},
+            "optimizer": optimizer_tree(self.optimizer, self.names) if self.optimizer is not None else {},
+            "elastrun": {
+                "step": st.step,
+                "sampler": st._sampler.state_dict() if st._sampler is not None else None,
+                "extras": st._tree_extras(),
+            },
+        }
+
+    def _stable_ptrs(self) -> set[int]:
+        """Storage that only ``optimizer.step()`` changes (copied in the background)."""
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if is_dtensor(t) else t
+
+        ptrs = set()
+        if self.module is not None:
+            ptrs.update(local(p).data_ptr() for p in self.module.parameters())
+        if self.optimizer is not None:
+            for s in self.optimizer.state.values():
+                ptrs.update(local(v).data_ptr() for v in s.values() if isinstance(v, torch.Tensor))
+        return ptrs
+
+    # -- commit ----------------------------------------------------------------------------------
+    def commit(self, durable_step: bool, stop: bool, background: bool) -> None:
+        """``State.commit()``'s snapshot part, on every rank."""
+        st = self.st
+        if durable_step or st.step % st._snapshot_every == 0:
+            self.snapshot(durable_step, stop, background)
+
+    def snapshot(self, persist: bool, stop: bool, background: bool) -> None:
+        """Copy this rank's shard of ``State.step`` into a memory slot (and queue its checkpoint)."""
+        st = self.st
+        skeleton, tensors = split(self.tree())
+        entries, locals_, nbytes = lay_out(tensors)
+        meshes = {k: t.device_mesh for k, t in tensors.items() if is_dtensor(t)} if persist else {}
+        if background:
+            stable = self._stable_ptrs()
+            for i, t in enumerate(locals_):
+                if t.numel() and not (t.data_ptr() in stable and t.is_contiguous()):
+                    locals_[i] = t.clone()  # forward may change it before the copy runs
+        flat = Flattened(None, locals_, [BlobEntry(e.dtype, e.chunk, e.offset, e.nbytes) for e in entries], nbytes)
+        header = {
+            "format": FORMAT, "step": st.step, "world_size": st._world_size, "rank": st._rank, "nbytes": nbytes,
+            "entries": [dataclasses.astuple(e) for e in entries],
+            "skeleton": pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL),
+        }  # fmt: skip
+        mem = self.slots()
+        slot, buf, view = mem.begin(nbytes)
+        copy = SnapshotCopy(flat, buf) if background else None
+        prune = st._local_rank == 0 and st.step % PRUNE_EVERY == 0
+
+        def complete() -> None:
+            nonlocal buf
+            if copy is None:
+                copy_into(flat, buf)
+            else:
+                if copy.device_indices:
+                    copy_into(flat, buf, copy.device_indices)
+                copy.wait()
+            del buf
+            view.release()
+            mem.publish(slot, header)
+            if persist:
+                self._persist(slot, header, meshes, must=stop)
+            if prune:  # every rank has published step - 2 by now (see slots.prune)
+                slots.prune(mem.dir, mem.run_id, header["world_size"], header["step"] - 2)
+
+        if copy is None:
+            complete()
+            return
+        copy.start()
+        st._copy = copy
+        st._writer.submit(complete)
+
+    def _persist(self, slot: int, header: dict[str, Any], meshes: dict[str, Any], must: bool) -> None:
+        """Queue this rank's part of the DCP checkpoint of a just-published slot."""
+        st = self.st
+        assert st._ckpt is not None
+        if st._persister.busy() and not must:
+            if not st._skipped_warned:
+                st._skipped_warned = True
+                notes.warn(
+                    f"checkpoint of step {header['step']} skipped: the previous one is still being written "
+                    "(raise checkpoint_every); this warning is shown once",
+                    stacklevel=3,
+                )
+            return
+        ckpt, mem, step, ws, rank = st._ckpt, self.slots(), header["step"], header["world_size"], header["rank"]
+        payload = st._mem.read_rng(rank, step) or b""
+        state = pickle.dumps(
+            {"skeleton": header["skeleton"], "step": step, "world_size": ws,
+             "placements": {e.key: e.placements for e in entries_of(header)}},
+            protocol=pickle.HIGHEST_PROTOCOL,
+        ) if rank == 0 else b""  # fmt: skip
+        mem.pin(slot)
+
+        def run() -> None:
+            try:
+                ckpt.write_rng(step, rank, payload)
+                durable.write_part(ckpt, header, mem.data_view(slot, header["nbytes"]), meshes)
+            finally:
+                mem.unpin(slot)
+            if rank == 0:
+                durable.finish(ckpt, step, ws, state)
+
+        st._persister.submit(run)
+
+    def checkpoint(self) -> None:
+        """``State.checkpoint()``: this rank's part of a DCP checkpoint of the last commit, waited for."""
+        st = self.st
+        st._drain()
+        st._persister.wait()
+        mem = self.slots()
+        if not any(i.step == st.step for i in mem.scan()):
+            self.snapshot(persist=False, stop=False, background=False)  # a step snapshot_every skipped
+        info = next(i for i in mem.scan() if i.step == st.step)
+        _, tensors = split(self.tree())
+        meshes = {k: t.device_mesh for k, t in tensors.items() if is_dtensor(t)}
+        self._persist(info.slot, info.header, meshes, must=True)
+        st._persister.wait()
+
+    # -- restore --------------------------------------------------------------------------------
+    def _report(self) -> tuple[ShardReport, dict[int, DiskCandidate]]:
+        st = self.st
+        shards: dict[tuple[int, int], list[int]] = {}
+        for f in slots.scan(st._mem.dir, st._mem.run_id):
+            shards.setdefault((f.step, f.world_size), []).append(f.rank)
+        disk = {}
+        if st._ckpt is not None:
+            disk = {c.step: c for c in st._ckpt.scan(warn=st._rank == 0) if c.kind == durable.KIND}
+        report = ShardReport(
+            rank=st._rank,
+            node=self.node,
+            shards={k: sorted(set(v)) for k, v in shards.items()},
+            mem_rng=st._mem.scan_rng(),
+            disk={s: c.world_size for s, c in disk.items()},
+            disk_rng={s: c.rng_ranks for s, c in disk.items()},
+        )
+        return report, disk
+
+    def restore(self) -> str | None:
+        """``State.restore()`` for a sharded state: ``"memory"``, ``"peer"``, ``"disk"`` or None."""
+        st = self.st
+        st._drain()
+        st._persister.wait()
+        report, disk = self._report()
+        reports = edist.all_gather(report)
+        excluded: set[tuple] = set()
+        for _ in range(4 * sum(len(r.shards) for r in reports) + len(disk) + 8):
+            plan = make_plan(reports, excluded)
+            if plan is None:
+                return None
+            if plan.source == "memory":
+                source, failed = self._from_memory(plan)
+            else:
+                source, failed = self._from_disk(plan, disk[plan.step])
+            if failed:
+                excluded |= failed
+                continue
+            st._restore_rng(plan, disk)  # type: ignore[arg-type]
+            slots.drop_newer(st._mem.dir, st._mem.run_id, plan.step)  # an abandoned timeline
+            self._slots = None
+            return source
+        raise RuntimeError("State.restore(): no saved sharded state could be loaded on every rank")
+
+    def _agree(self, error: BaseException | None) -> None:
+        """Raise the same error on every rank when any rank has one (before a collective load)."""
+        errors = [e for e in edist.all_gather(str(error) if error is not None else None) if e is not None]
+        if errors:
+            if isinstance(error, Unsupported) or error is None:
+                raise Unsupported(errors[0])
+            raise error
+
+    def _from_memory(self, plan: ShardPlan) -> tuple[str | None, set[tuple]]:
+        st, step = self.st, plan.step
+        error: BaseException | None = None
+        try:  # collective, and the same answer on every rank
+            reader, headers, missing = open_step(st._mem.dir, st._mem.run_id, "shard", self.node, step,
+                                                 plan.saved_world_size, plan.holders)  # fmt: skip
+        except ValueError as e:  # the metas disagree (every rank sees the same ones)
+            reader, headers, missing = None, {}, {("mem", self.node, step, old) for old in plan.holders}
+            error = e
+        if reader is None:
+            if error is not None and st._rank == 0:
+                notes.warn(f"memory snapshots of step {step} not used: {error}", stacklevel=4)
+            return None, missing
+        try:
+            specs = {}
+            for h in headers.values():
+                for e in entries_of(h):
+                    specs.setdefault(e.key, _spec(e))
+            skeleton = pickle.loads(headers[0]["skeleton"])
+            dest = self._destination(specs)
+        except (Unsupported, ValueError, KeyError) as e:
+            error = e
+        self._agree(error)
+        try:
+            dcp.load(dest, storage_reader=reader, planner=DefaultLoadPlanner())
+            error = None
+        except Exception as e:  # every rank fails together (DCP gathers the read results)
+            error = e
+        failed = {("mem", self.node, step, ref.rank) for ref in reader.failed}
+        failed = {f for part in edist.all_gather(failed) for f in part}
+        if failed:
+            if st._rank == 0:
+                notes.warn(f"memory snapshots unreadable, not used: {sorted(failed)}", stacklevel=4)
+            return None, failed
+        if error is not None:
+            raise error
+        self._apply(skeleton, dest)
+        return ("peer" if reader.fetched else "memory"), set()
+
+    def _from_disk(self, plan: ShardPlan, cand: DiskCandidate) -> tuple[str | None, set[tuple]]:
+        st = self.st
+        bad = [b for part in edist.all_gather(durable.verify(cand, st._rank, st._world_size)) for b in part]
+        if bad:
+            if st._rank == 0:
+                for b in bad:
+                    notes.warn(f"{b}; using an older checkpoint", stacklevel=4)
+            return None, {("disk", plan.step)}
+        error: BaseException | None = None
+        try:
+            saved = durable.read_state(cand)
+            metadata = durable.read_metadata(cand.dir)
+            specs = {
+                key: _Spec(meta.properties.dtype, tuple(meta.size), saved["placements"].get(key, "?"), "cpu")
+                for key, meta in metadata.state_dict_metadata.items()
+                if isinstance(meta, TensorStorageMetadata)
+            }
+            skeleton = pickle.loads(saved["skeleton"])
+            refs = _ref_keys(skeleton)
+            if refs - specs.keys():
+                raise ValueError(f"checkpoint {cand.dir} lacks {sorted(refs - specs.keys())[:3]}")
+            dest = self._destination({k: v for k, v in specs.items() if k in refs})
+        except (Unsupported, ValueError, KeyError, OSError) as e:
+            error = e
+        self._agree(error)
+        dcp.load(join(skeleton, dest), checkpoint_id=cand.dir)
+        self._apply(skeleton, dest)
+        return "disk", set()
+
+    def _destination(self, specs: dict[str, _Spec]) -> dict[str, torch.Tensor]:
+        """A tensor for every saved key, on this rank's new shards: the live ones where they exist
+        (parameters, buffers, optimizer state), new ones like their parameter otherwise."""
+        from torch.distributed.tensor import DTensor
+
+        live: dict[str, torch.Tensor] = {}
+        params: dict[str, torch.Tensor] = {}
+        if self.module is not None:
+            live.update({f"model.{k}": v for k, v in self.module.state_dict().items()})
+            params = dict(self.module.named_parameters())
+            missing = [k for k in live if k not in specs]
+            if missing:
+                raise Unsupported(f"the saved state has no {missing[0]} (the model has changed?)")
+        if self.optimizer is not None:
+            for fqn, p in params.items():
+                for name, v in self.optimizer.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor):
+                        live[f"optimizer.state.{fqn}.{name}"] = v
+        out: dict[str, torch.Tensor] = {}
+        for key, spec in specs.items():
+            t = live.get(key)
+            if t is not None and tuple(t.shape) == spec.size and t.dtype == spec.dtype:
+                out[key] = t
+                continue
+            if key.startswith("model."):
+                what = f"size {tuple(t.shape)}" if t is not None else "no such tensor"
+                raise Unsupported(f"{key}: the model has {what}, the saved state {spec.size}: build the same model")
+            param = params.get(key.removeprefix("optimizer.state.").rpartition(".")[0]) if key.startswith(
+                "optimizer.state.") else None  # fmt: skip
+            if param is not None and is_dtensor(param) and tuple(param.shape) == spec.size and spec.placements:
+                local = torch.empty_like(param.to_local(), dtype=spec.dtype)
+                out[key] = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                              shape=param.shape, stride=param.stride())  # fmt: skip
+            elif spec.placements in (None, "?"):
+                device = torch.device("cuda", torch.cuda.current_device()) if spec.device == "cuda" else "cpu"
+                out[key] = torch.empty(spec.size, dtype=spec.dtype, device=device)
+            else:
+                raise Unsupported(f"{key} is a DTensor shaped unlike any parameter: elastrun.train cannot place it")
+        return out
+
+    def _apply(self, skeleton: Any, dest: dict[str, torch.Tensor]) -> None:
+        """Put the loaded tree into the live objects (the model's tensors were loaded in place)."""
+        tree = join(skeleton, dest)
+        own = tree["elastrun"]
+        optimizer = optimizer_positional(tree["optimizer"], self.names) if self.optimizer is not None else None
+        self.st._apply({"step": own["step"], "model": None, "optimizer": optimizer,
+                        "sampler": own["sampler"], "extras": own["extras"]})  # fmt: skip
+
+
+def load_dcp(state: State, checkpoint_id: str | os.PathLike) -> None:
+    """Load ``state``'s model and optimizer from any DCP checkpoint, at this world size (collective).
+
+    The checkpoint's keys are DCP's for ``{"model": model.state_dict(), "optimizer":
+    get_optimizer_state_dict(model, optimizer)}`` (torchtitan's, and elastrun's own); the optimizer
+    is loaded when the checkpoint has one.  Step, sampler and extras are left as they are.
+    """
+    part = state._sharded or ShardedState(state)
+    error: BaseException | None = None
+    try:
+        metadata = durable.read_metadata(checkpoint_id)
+        saved = metadata.state_dict_metadata
+        specs = {
+            key: _Spec(meta.properties.dtype, tuple(meta.size), "?", "cpu")
+            for key, meta in saved.items()
+            if isinstance(meta, TensorStorageMetadata) and key.startswith(("model.", "optimizer.state."))
+        }
+        with_optimizer = part.optimizer is not None and any(k.startswith("optimizer.") for k in saved)
+        if not with_optimizer:
+            specs = {k: v for k, v in specs.items() if k.startswith("model.")}
+        dest = part._destination(specs)
+        model = {k.removeprefix("model."): v for k, v in dest.items() if k.startswith("model.")}
+        tree: dict[str, Any] = {"model": model}
+        if with_optimizer:
+            per_param: dict[str, dict[str, Any]] = {}
+            for key in saved:
+                if key.startswith("optimizer.state."):
+                    fqn, _, name = key.removeprefix("optimizer.state.").rpartition(".")
+                    per_param.setdefault(fqn, {})[name] = dest.get(key)
+            groups = optimizer_tree(part.optimizer, part.names)["param_groups"]
+            tree["optimizer"] = {"state": per_param, "param_groups": groups}
+    except (Unsupported, ValueError, KeyError, OSError) as e:
+        error = e
+    part._agree(error)
+    dcp.load(tree, checkpoint_id=checkpoint_id)
+    if with_optimizer:
+        state._optimizer.load_state_dict(optimizer_positional(tree["optimizer"], part.names))
+
+
+def _spec(e: Entry) -> _Spec:
+    return _Spec(getattr(torch, e.dtype), tuple(e.size), e.placements, e.device)
+
+
+def _ref_keys(skeleton: Any) -> set[str]:
+    keys: set[str] = set()
+    join(skeleton, _KeyCollector(keys))
+    return keys
+
+
+class _KeyCollector(dict):
+    """A mapping that records every key asked of it (to list a skeleton's references)."""
+
+    def __init__(self, keys: set[str]) -> None:
+        super().__init__()
+        self._keys = keys
+
+    def __getitem__(self, key: str) -> None:  # type: ignore[override]
+        self._keys.add(key)
+        return None

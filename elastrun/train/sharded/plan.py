@@ -1,0 +1,90 @@
+"""Choosing the step to restore a sharded state from: a pure function of every rank's report.
+
+Each rank reports the shard snapshot files its node holds (old rank, step, world size), the RNG
+states on its node and the complete-looking durable checkpoints.  After one ``all_gather`` every
+rank runs :func:`make_plan` on the same list, so all agree without another message.
+
+A step is in memory when, for the world size it was committed at, the shard of every old rank
+``0..W-1`` is in the memory of some node of the new group; it is on disk when its checkpoint is
+complete.  The newest such step is chosen (memory before disk at equal steps), with the rule of
+``elastrun/train/plan.py`` on RNG states: when some rank's RNG state of that step is missing but
+the step before is complete with all of them, the step before is used (a rank that died between
+its collective and its commit lags by one step).  A memory restore reads each old rank's file from
+the rank's own node if it holds it, else from a rank whose node does (``holders``); a disk restore
+loads the step's DCP checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from elastrun.train.plan import _rng_holders
+
+
+@dataclass
+class ShardReport:
+    """What one rank can read at restore time."""
+
+    rank: int
+    node: str  # ranks with the same node share a snapshot directory
+    shards: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (step, world size) -> old ranks
+    mem_rng: dict[int, list[int]] = field(default_factory=dict)  # rank -> steps of its RNG files on this node
+    disk: dict[int, int] = field(default_factory=dict)  # step -> world size
+    disk_rng: dict[int, list[int]] = field(default_factory=dict)  # step -> ranks with an RNG file
+
+
+@dataclass
+class ShardPlan:
+    """The agreed restore."""
+
+    step: int
+    source: str  # "memory" | "disk"
+    saved_world_size: int
+    holders: dict[int, list[int]]  # old rank -> new ranks whose node holds its shard of ``step``
+    rng_holders: dict[int, int]  # new rank -> rank that supplies its RNG state (absent: derive)
+
+
+def memory_steps(reports: list[ShardReport], excluded: set[tuple]) -> dict[int, tuple[int, dict[int, list[int]]]]:
+    """``{step: (world size, holders)}`` of the steps whose every shard is in some node's memory."""
+    have: dict[tuple[int, int], dict[int, list[int]]] = {}
+    for r in reports:
+        for (step, ws), olds in r.shards.items():
+            for old in olds:
+                if ("mem", r.node, step, old) not in excluded:
+                    have.setdefault((step, ws), {}).setdefault(old, []).append(r.rank)
+    out: dict[int, tuple[int, dict[int, list[int]]]] = {}
+    for (step, ws), holders in sorted(have.items()):
+        if all(k in holders for k in range(ws)):
+            out[step] = (ws, {k: sorted(holders[k]) for k in range(ws)})  # the larger world wins a tie
+    return out
+
+
+def make_plan(reports: list[ShardReport], excluded: set[tuple] | None = None) -> ShardPlan | None:
+    """The restore every rank agrees on, or None for a fresh start (nothing complete anywhere)."""
+    excluded = excluded or set()
+    world = len(reports)
+    mem = memory_steps(reports, excluded)
+    disk: dict[int, int] = {}
+    for r in reports:
+        for step, ws in r.disk.items():
+            if ("disk", step) not in excluded:
+                disk[step] = ws
+    saved = {**disk, **{s: ws for s, (ws, _) in mem.items()}}
+    if not saved:
+        return None
+
+    def rng(step: int) -> tuple[bool, dict[int, int]]:
+        needed = min(world, saved[step])
+        holders = _rng_holders(reports, step, needed, excluded)  # type: ignore[arg-type]
+        return len(holders) == needed, holders
+
+    step = max(saved)
+    complete, holders = rng(step)
+    if not complete and step - 1 in saved:
+        prev_complete, prev_holders = rng(step - 1)
+        if prev_complete:
+            step, holders = step - 1, prev_holders
+    if step in mem:
+        ws, shard_holders = mem[step]
+        return ShardPlan(step, "memory", ws, shard_holders, holders)
+    return ShardPlan(step, "disk", disk[step], {}, holders)
