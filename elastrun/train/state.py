@@ -155,6 +155,7 @@ class State:
         #: Issue 24: the sharded half (elastrun/train/sharded/) when the model has DTensor parameters.
         self._sharded = _sharded_part(self, model, optimizer)
         self._async = async_snapshot and optimizer is not None
+        self._async_snapshot = async_snapshot
         self._writer = BackgroundJob("elastrun-snapshot")
         self._copy: SnapshotCopy | None = None  # the running background copy, if any
         self._persister = BackgroundJob("elastrun-checkpoint")
@@ -423,6 +424,21 @@ class State:
             self._persister.submit(lambda: ckpt.write_rng(step, rank, payload))
         self._persister.wait()
 
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str | None:
+        """Issue 24: take a model (and optimizer) built after this State, and load this rank's part
+        of the last commit into them; returns what :meth:`restore` returns.  Collective.  Under
+        ``et.run`` a sharded model is built and sharded on the current group inside ``fn`` and
+        handed over here on every call (docs/train.md, "Sharded states")."""
+        if self._hook is not None:
+            self._hook.remove()
+        self._model, self._optimizer = model, optimizer
+        self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) if optimizer else None
+        self._async = self._async_snapshot and optimizer is not None
+        self._sharded = _sharded_part(self, model, optimizer)
+        if self._sharded is not None:
+            self._sharded.attached = True
+        return self.restore()
+
     def load_dcp(self, checkpoint_id: str | os.PathLike) -> None:
         """Load the model and optimizer from a DCP checkpoint (``dcp.save`` of ``{"model": ...,
         "optimizer": get_optimizer_state_dict(...)}``, e.g. torchtitan's), at this world size.
@@ -469,6 +485,8 @@ class State:
     def _restore(self) -> str | None:
         if self._sharded is not None:  # issue 24
             return self._sharded.restore()
+        if self._model is None and self._optimizer is None and reform.active():
+            return None  # issue 24: under et.run a State without a model waits for attach() (no collective)
         self._drain()
         self._persister.wait()
         report, slots, disk = self._report()

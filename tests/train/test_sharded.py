@@ -153,12 +153,13 @@ def test_unsupported_state_is_refused_in_one_line(work, procs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nodes", [2, 3])
-def test_fsdp_resize_lose_and_join_a_node(work, procs, nodes):
+@pytest.mark.parametrize(("nodes", "reform"), [(2, False), (3, False), (2, True)])
+def test_fsdp_resize_lose_and_join_a_node(work, procs, nodes, reform):
     """N → N-1 → N nodes (one worker each).  The lost node's shards are in no memory: the survivors
     restore from the last DCP checkpoint (at the smaller world size); the joiner gets its new shard
     from the survivors' memory (peer), the survivors from their own; each restored state is exactly
-    a committed one, and every sample of every epoch is used once."""
+    a committed one, and every sample of every epoch is used once.  With ``et.run`` the survivors
+    keep their processes throughout (the model re-sharded on each new group)."""
     samples, epochs = 240, 2
     out = work / "out"
     out.mkdir()
@@ -167,6 +168,7 @@ def test_fsdp_resize_lose_and_join_a_node(work, procs, nodes):
     port = free_port()
     args = ["--fsdp", "--samples", str(samples), "--epochs", str(epochs), "--sleep", "0.1", "--ckpt",
             str(work / "ck"), "--every", "4", "--hold-file", str(hold), "--hold-world", str(nodes)]  # fmt: skip
+    args += ["--reform"] if reform else []
 
     def agent(name: str):
         cmd = elastic_cmd(out, port, run_id, args)
@@ -212,6 +214,8 @@ def test_fsdp_resize_lose_and_join_a_node(work, procs, nodes):
     assert grown[nodes - 1]["source"] == "peer", (got, logs)  # the joiner has nothing in its node's memory
     assert {v["source"] for v in grown.values()} <= {"memory", "peer"}, (got, logs)
     assert {v["sha256"] for v in grown.values()} <= committed[grown[0]["step"]], "grow restored another state"
+    if reform:  # node A's worker is one process from the first round to the end
+        assert got[(full, 0)]["pid"] == small[0]["pid"] == grown[0]["pid"], (got, logs)
     assert_exactly_once(out, samples, epochs)
 
 
@@ -220,3 +224,41 @@ def test_sharded_module_imports_nothing_heavy():
     code = "import sys, elastrun.train; print('torch.distributed.checkpoint' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, cwd=REPO)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_dcp_storage_in_node_memory(work, procs):
+    """A script that calls ``dcp.save``/``dcp.load`` itself keeps its checkpoint in node memory
+    with ``et.MemoryWriter``/``et.MemoryReader``: after a crash it loads the saved state from
+    memory, not from the disk checkpoint beside it."""
+    out = work / "out"
+    out.mkdir()
+    script = Path(__file__).with_name("dcp_user.py")
+    cmd = [sys.executable, "-m", "elastrun", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           str(script), str(out)]  # fmt: skip
+    rc = procs.run(cmd, work / "run.log")
+    log = (work / "run.log").read_text()
+    assert rc == 0, log[-3000:]
+    loaded = json.loads((out / "load.a1.json").read_text())
+    assert loaded == {"source": "memory", "sha256": json.loads((out / "saved.json").read_text())["sha256"]}, log
+
+
+def test_fsdp_survivor_keeps_its_process_bit_for_bit(work, procs):
+    """``et.run`` with the FSDP2 model built and sharded inside ``fn`` (``state.attach``): after a
+    worker crash the survivor keeps its process, re-shards a new model on the new group and loads its
+    shard from node memory; the run ends equal to an uninterrupted one."""
+    clean = work / "clean"
+    clean.mkdir()
+    rc = procs.run(standalone(clean, ["--fsdp"]), work / "clean.log")
+    assert rc == 0, (work / "clean.log").read_text()[-3000:]
+    out = work / "out"
+    out.mkdir()
+    args = ["--fsdp", "--reform", "--crash=0:1:5:after"]
+    rc = procs.run(standalone(out, args, flags=("--max-restarts=1",)), work / "run.log")
+    log = (work / "run.log").read_text()
+    assert rc == 0, log[-3000:]
+    got = restores(out)
+    assert got[(1, 0)]["pid"] == got[(0, 0)]["pid"] and got[(1, 1)]["pid"] != got[(0, 1)]["pid"], got
+    assert {(got[(1, r)]["source"], got[(1, r)]["step"]) for r in (0, 1)} == {("memory", 5)}, got
+    assert "re-formed in process" in log, log[-3000:]
+    assert final(out) == final(clean), "parameters differ from the uninterrupted run"
+    assert_exactly_once(out, SAMPLES, EPOCHS)

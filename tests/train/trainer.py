@@ -69,8 +69,24 @@ def main() -> None:
     xs = torch.randn(a.samples, 8, generator=g)
     ys = torch.randn(a.samples, 1, generator=g)
     dataset = torch.utils.data.TensorDataset(torch.arange(a.samples), xs, ys)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
-    if a.reform:  # in-process re-forms: the group and DDP are made by et.run and train()
+    net = build_net()
+    if a.reform and a.fsdp:  # issue 24: the model is built and sharded on each group, inside train()
+        sampler = et.ElasticSampler(dataset, batch_size=a.batch, seed=7)
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=a.workers)
+        state = make_state(a, None, None, sampler)
+        built: dict[str, torch.nn.Module] = {}
+
+        def body(st: et.State) -> bool | None:
+            torch.manual_seed(1234)
+            built["net"] = fresh = build_net()
+            model = fsdp(fresh)
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+            st.attach(model, opt)
+            return train(a, out, fresh, model, opt, sampler, loader, st)
+
+        et.run(body, state)
+        net = built["net"]
+    elif a.reform:  # in-process re-forms: the group and DDP are made by et.run and train()
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
         sampler = et.ElasticSampler(dataset, batch_size=a.batch, seed=7)
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=a.workers)
@@ -95,6 +111,10 @@ def main() -> None:
     if rank == 0:
         (out / "final.json").write_text(json.dumps({"step": state.step, "sha256": sha}))
     print(f"rank {rank} done at step {state.step}", flush=True)
+
+
+def build_net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
 
 
 def fsdp(net: torch.nn.Module) -> torch.nn.Module:

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from elastrun.train import dist as edist
-from elastrun.train import notes
+from elastrun.train import notes, reform
 from elastrun.train.blob import Entry as BlobEntry
 from elastrun.train.blob import Flattened, copy_into
 from elastrun.train.checkpoint import DiskCandidate
@@ -80,6 +80,12 @@ class ShardedState:
         self._slots: slots.ShardSlots | None = None
         st = os.stat(state._mem.dir)
         self.node = f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"
+        #: The worker group the model was sharded on; after an in-process re-form (``et.run``) the
+        #: model is bound to a destroyed group and must be built again (``State.attach``).
+        self.generation = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        self.stale = False
+        #: Whether the model came through ``State.attach`` (the et.run shape), not ``State(model=...)``.
+        self.attached = False
 
     # -- what is saved ------------------------------------------------------------------------
     def slots(self) -> slots.ShardSlots:
@@ -118,6 +124,11 @@ class ShardedState:
     def commit(self, durable_step: bool, stop: bool, background: bool) -> None:
         """``State.commit()``'s snapshot part, on every rank."""
         st = self.st
+        if self.stale:
+            raise RuntimeError(
+                "State: the sharded model was built on the process group before the last re-form; under "
+                "et.run build and shard it inside fn and hand it over with state.attach(model, optimizer)"
+            )
         if durable_step or st.step % st._snapshot_every == 0:
             self.snapshot(durable_step, stop, background)
 
@@ -237,6 +248,14 @@ class ShardedState:
         st = self.st
         st._drain()
         st._persister.wait()
+        if reform.active() and os.environ.get("TORCHELASTIC_RESTART_COUNT") != self.generation:
+            if not self.attached:
+                raise Unsupported(
+                    "a sharded model cannot follow an in-process re-form: under et.run build and shard it inside "
+                    "fn and hand it to state.attach(model, optimizer) (docs/train.md, Sharded states)"
+                )
+            self.stale = True  # fn builds the model again on the new group and calls State.attach()
+            return None
         report, disk = self._report()
         reports = edist.all_gather(report)
         excluded: set[tuple] = set()
