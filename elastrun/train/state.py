@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from elastrun.train import dist as edist
-from elastrun.train import notes, reform, rng
+from elastrun.train import notes, reform, rng, sharded
 from elastrun.train.background import BackgroundJob
 from elastrun.train.blob import copy_into, flatten, make_header, materialize
 from elastrun.train.checkpoint import CheckpointCorrupt, CheckpointDir, DiskCandidate
@@ -81,18 +81,6 @@ def _snapshot_dir(explicit: str | Path | None) -> tuple[Path, bool]:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
         return Path(base) / f"elastrun-snap-{safe}-{socket.gethostname()}-{os.getuid()}", False
     return Path(tempfile.mkdtemp(prefix="elastrun-snap-", dir=base)), True
-
-
-def _sharded_part(state: State, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> Any:
-    """Issue 24: a ``ShardedState`` for a model or optimizer with DTensor parameters (FSDP2), else None.
-    Refuses (``Unsupported``, one line) what neither path can snapshot: FSDP1, ZeRO, Partial DTensors."""
-    from elastrun.train.sharded import layout
-
-    if not (layout.check_model(layout.unwrap(model)) | layout.check_optimizer(optimizer)):
-        return None
-    from elastrun.train.sharded.core import ShardedState
-
-    return ShardedState(state)
 
 
 class State:
@@ -153,7 +141,7 @@ class State:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
         self._mem = MemorySnapshots(snap_dir, run_id)
         #: Issue 24: the sharded half (elastrun/train/sharded/) when the model has DTensor parameters.
-        self._sharded = _sharded_part(self, model, optimizer)
+        self._sharded = sharded.part_of(self, model, optimizer)
         self._async = async_snapshot and optimizer is not None
         self._async_snapshot = async_snapshot
         self._writer = BackgroundJob("elastrun-snapshot")
@@ -434,7 +422,7 @@ class State:
         self._model, self._optimizer = model, optimizer
         self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) if optimizer else None
         self._async = self._async_snapshot and optimizer is not None
-        self._sharded = _sharded_part(self, model, optimizer)
+        self._sharded = sharded.part_of(self, model, optimizer)
         if self._sharded is not None:
             self._sharded.attached = True
         return self.restore()

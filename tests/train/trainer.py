@@ -55,6 +55,7 @@ def main() -> None:
     p.add_argument("--crash", action="append", default=[])
     p.add_argument("--ddp", action="store_true", help="wrap in DDP (else all-reduce gradients by hand)")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) and use AdamW")
+    p.add_argument("--load-dcp", default=None, help="on a fresh start, load this DCP checkpoint (State.load_dcp)")
     p.add_argument("--truncate", default=None, help="ATTEMPT:RANK:STEP: truncate a shard snapshot before a crash")
     p.add_argument("--stop-at-step", type=int, default=0, help="exit cleanly once this step is committed")
     p.add_argument("--flush", action="store_true", help="wait for each commit's writes (no checkpoint skipped)")
@@ -102,6 +103,8 @@ def main() -> None:
         state = make_state(a, model, opt, sampler)
         t0 = time.monotonic()
         source = state.restore()
+        if source is None and a.load_dcp:
+            state.load_dcp(a.load_dcp)
         print(f"rank {info.rank}: restore -> {source} step {state.step} in {time.monotonic() - t0:.3f}s", flush=True)
         if train(a, out, net, model, opt, sampler, loader, state) is None:
             return

@@ -13,3 +13,25 @@ Layers, bottom up:
 
 Importing this package imports nothing heavy: ``State`` loads ``core`` only for a sharded model.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from elastrun.train.sharded import layout
+
+if TYPE_CHECKING:
+    import torch
+
+    from elastrun.train.state import State
+
+
+def part_of(state: State, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> Any:
+    """The ``ShardedState`` half of ``state`` when the model or optimizer has DTensor parameters
+    (FSDP2), else None.  Refuses (:class:`~elastrun.train.sharded.layout.Unsupported`, one line) what
+    neither half can snapshot: FSDP1, ZeroRedundancyOptimizer, Partial DTensors, meta tensors."""
+    if not (layout.check_model(layout.unwrap(model)) | layout.check_optimizer(optimizer)):
+        return None
+    from elastrun.train.sharded.core import ShardedState
+
+    return ShardedState(state)
