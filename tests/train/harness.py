@@ -48,9 +48,10 @@ class Procs:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, cmd: list[str], log: Path) -> subprocess.Popen:
+    def start(self, cmd: list[str], log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         with open(log, "wb") as f:
-            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env(), start_new_session=True)
+            e = {**env(), **(extra_env or {})}
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=e, start_new_session=True)
         self.procs.append(p)
         return p
 

@@ -150,6 +150,12 @@ def test_fsdp_resize_lose_and_join_a_node(work, procs, nodes, reform):
     from the survivors' memory (peer), the survivors from their own; each restored state is exactly
     a committed one, and every sample of every epoch is used once.  With ``et.run`` the survivors
     keep their processes throughout (the model re-sharded on each new group)."""
+    lose_and_join(work, procs, nodes, ["--reform"] if reform else [])
+
+
+def lose_and_join(work: Path, procs, nodes: int, extra: list[str], node_env: list[dict] | None = None) -> None:
+    """Run N → N-1 → N nodes (one worker each; ``node_env[i]``: the environment of node i's agents)
+    and check what ``test_fsdp_resize_lose_and_join_a_node`` says."""
     samples, epochs = 240, 2
     out = work / "out"
     out.mkdir()
@@ -157,22 +163,22 @@ def test_fsdp_resize_lose_and_join_a_node(work, procs, nodes, reform):
     run_id = f"shard-test-{uuid.uuid4().hex[:8]}"
     port = free_port()
     args = ["--fsdp", "--samples", str(samples), "--epochs", str(epochs), "--sleep", "0.1", "--ckpt",
-            str(work / "ck"), "--every", "4", "--hold-file", str(hold), "--hold-world", str(nodes)]  # fmt: skip
-    args += ["--reform"] if reform else []
+            str(work / "ck"), "--every", "4", "--hold-file", str(hold), "--hold-world", str(nodes), *extra]  # fmt: skip
+    reform = "--reform" in extra
 
-    def agent(name: str):
+    def agent(name: str, node: int):
         cmd = elastic_cmd(out, port, run_id, args)
         cmd[cmd.index("--nnodes=1:2")] = f"--nnodes=1:{nodes}"
-        return procs.start(cmd, work / f"{name}.log")
+        return procs.start(cmd, work / f"{name}.log", (node_env or [{}] * nodes)[node])
 
     def attempts(world: int, after: int) -> list[int]:
         return [k[0] for k, v in restores(out).items() if k[0] > after and v["world_size"] == world]
 
     hold.touch()
     try:
-        a = agent("a")  # A hosts the rendezvous store: it has to outlive the others
+        a = agent("a", 0)  # A hosts the rendezvous store: it has to outlive the others
         wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
-        others = [agent(f"n{i}") for i in range(1, nodes)]
+        others = [agent(f"n{i}", i) for i in range(1, nodes)]
         wait_for(lambda: attempts(nodes, -1), 90, f"world {nodes}")
         full = max(attempts(nodes, -1))
         hold.unlink()
@@ -184,7 +190,7 @@ def test_fsdp_resize_lose_and_join_a_node(work, procs, nodes, reform):
         shrink = min(attempts(nodes - 1, full))
         wait_for(lambda: max(committed_steps(out)) >= restores(out)[(shrink, 0)]["step"] + 6, 60, "progress")
         hold.touch()
-        agent("joiner")
+        agent("joiner", nodes - 1)
         wait_for(lambda: attempts(nodes, shrink), 90, f"world {nodes} again")
         hold.unlink()
         assert a.wait(180) == 0, (work / "a.log").read_text()[-3000:]

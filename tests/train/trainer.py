@@ -55,6 +55,7 @@ def main() -> None:
     p.add_argument("--crash", action="append", default=[])
     p.add_argument("--ddp", action="store_true", help="wrap in DDP (else all-reduce gradients by hand)")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) and use AdamW")
+    p.add_argument("--cuda", action="store_true", help="with --fsdp: the model and batches on this rank's GPU")
     p.add_argument("--load-dcp", default=None, help="on a fresh start, load this DCP checkpoint (State.load_dcp)")
     p.add_argument("--truncate", default=None, help="ATTEMPT:RANK:STEP: truncate a shard snapshot before a crash")
     p.add_argument("--stop-at-step", type=int, default=0, help="exit cleanly once this step is committed")
@@ -80,7 +81,7 @@ def main() -> None:
         def body(st: et.State) -> bool | None:
             torch.manual_seed(1234)
             built["net"] = fresh = build_net()
-            model = fsdp(fresh)
+            model = fsdp(fresh, a.cuda)
             opt = torch.optim.AdamW(model.parameters(), lr=0.01)
             st.attach(model, opt)
             return train(a, out, fresh, model, opt, sampler, loader, st)
@@ -95,7 +96,7 @@ def main() -> None:
         et.run(lambda st: train(a, out, net, None, opt, sampler, loader, st), state)
     else:
         info = et.init_distributed()
-        model = fsdp(net) if a.fsdp else DDP(net) if a.ddp else net
+        model = fsdp(net, a.cuda) if a.fsdp else DDP(net) if a.ddp else net
         opt = torch.optim.AdamW(model.parameters(), lr=0.01) if a.fsdp else torch.optim.SGD(
             model.parameters(), lr=0.05, momentum=0.9)
         sampler = et.ElasticSampler(dataset, batch_size=a.batch, seed=7)
@@ -120,8 +121,11 @@ def build_net() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
 
 
-def fsdp(net: torch.nn.Module) -> torch.nn.Module:
+def fsdp(net: torch.nn.Module, cuda: bool = False) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
+
+    if cuda:
+        net.to(torch.device("cuda", torch.cuda.current_device()))
 
     for layer in net:
         if isinstance(layer, torch.nn.Linear):
@@ -134,7 +138,7 @@ def digest(net: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for t in net.state_dict().values():
         t = t.full_tensor() if hasattr(t, "full_tensor") else t
-        h.update(t.detach().numpy().tobytes())
+        h.update(t.detach().cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -201,6 +205,8 @@ def train(a, out: Path, net, model, opt, sampler, loader, state) -> bool | None:
                     while os.path.exists(a.hold_file) and time.monotonic() < deadline:
                         time.sleep(0.05)
                 record = {"attempt": attempt, "step": step, "epoch": sampler.epoch, "idx": idx.tolist()}
+                if a.cuda:
+                    x, y = x.cuda(), y.cuda()
                 os.write(log, (json.dumps(record) + "\n").encode())
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 opt.zero_grad()

@@ -43,6 +43,7 @@ from elastrun.train.sharded.layout import (
     optimizer_positional,
     optimizer_tree,
     param_names,
+    refs_of,
     split,
     unwrap,
 )
@@ -137,7 +138,6 @@ class ShardedState:
         st = self.st
         skeleton, tensors = split(self.tree())
         entries, locals_, nbytes = lay_out(tensors)
-        meshes = {k: t.device_mesh for k, t in tensors.items() if is_dtensor(t)} if persist else {}
         if background:
             stable = self._stable_ptrs()
             for i, t in enumerate(locals_):
@@ -166,7 +166,7 @@ class ShardedState:
             view.release()
             mem.publish(slot, header)
             if persist:
-                self._persist(slot, header, meshes, must=stop)
+                self._persist(slot, header, must=stop)
             if prune:  # every rank has published step - 2 by now (see slots.prune)
                 slots.prune(mem.dir, mem.run_id, header["world_size"], header["step"] - 2)
 
@@ -177,7 +177,7 @@ class ShardedState:
         st._copy = copy
         st._writer.submit(complete)
 
-    def _persist(self, slot: int, header: dict[str, Any], meshes: dict[str, Any], must: bool) -> None:
+    def _persist(self, slot: int, header: dict[str, Any], must: bool) -> None:
         """Queue this rank's part of the DCP checkpoint of a just-published slot."""
         st = self.st
         assert st._ckpt is not None
@@ -202,7 +202,7 @@ class ShardedState:
         def run() -> None:
             try:
                 ckpt.write_rng(step, rank, payload)
-                durable.write_part(ckpt, header, mem.data_view(slot, header["nbytes"]), meshes)
+                durable.write_part(ckpt, header, mem.data_view(slot, header["nbytes"]))
             finally:
                 mem.unpin(slot)
             if rank == 0:
@@ -219,9 +219,7 @@ class ShardedState:
         if not any(i.step == st.step for i in mem.scan()):
             self.snapshot(persist=False, stop=False, background=False)  # a step snapshot_every skipped
         info = next(i for i in mem.scan() if i.step == st.step)
-        _, tensors = split(self.tree())
-        meshes = {k: t.device_mesh for k, t in tensors.items() if is_dtensor(t)}
-        self._persist(info.slot, info.header, meshes, must=True)
+        self._persist(info.slot, info.header, must=True)
         st._persister.wait()
 
     # -- restore --------------------------------------------------------------------------------
@@ -341,14 +339,19 @@ class ShardedState:
                 if isinstance(meta, TensorStorageMetadata)
             }
             skeleton = pickle.loads(saved["skeleton"])
-            refs = _ref_keys(skeleton)
+            refs = refs_of(skeleton)
             if refs - specs.keys():
                 raise ValueError(f"checkpoint {cand.dir} lacks {sorted(refs - specs.keys())[:3]}")
             dest = self._destination({k: v for k, v in specs.items() if k in refs})
         except (Unsupported, ValueError, KeyError, OSError) as e:
             error = e
         self._agree(error)
-        dcp.load(join(skeleton, dest), checkpoint_id=cand.dir)
+        try:
+            dcp.load(join(skeleton, dest), checkpoint_id=cand.dir)
+        except Exception as e:  # every rank fails together (DCP gathers the read results)
+            if st._rank == 0:
+                notes.warn(f"checkpoint {cand.dir} could not be loaded ({e}); using an older one", stacklevel=4)
+            return None, {("disk", plan.step)}
         self._apply(skeleton, dest)
         return "disk", set()
 
@@ -442,21 +445,3 @@ def load_dcp(state: State, checkpoint_id: str | os.PathLike) -> None:
 
 def _spec(e: Entry) -> _Spec:
     return _Spec(getattr(torch, e.dtype), tuple(e.size), e.placements, e.device)
-
-
-def _ref_keys(skeleton: Any) -> set[str]:
-    keys: set[str] = set()
-    join(skeleton, _KeyCollector(keys))
-    return keys
-
-
-class _KeyCollector(dict):
-    """A mapping that records every key asked of it (to list a skeleton's references)."""
-
-    def __init__(self, keys: set[str]) -> None:
-        super().__init__()
-        self._keys = keys
-
-    def __getitem__(self, key: str) -> None:  # type: ignore[override]
-        self._keys.add(key)
-        return None

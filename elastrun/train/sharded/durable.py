@@ -35,8 +35,11 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     Metadata,
+    MetadataIndex,
     StorageMeta,
+    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import WriteItemType
@@ -84,45 +87,36 @@ class _Sink:
         self.f.flush()
 
 
-def _contiguous_stride(size: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(size):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
-
-
-def _tensors(header: dict[str, Any], data: memoryview, meshes: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The snapshot's tensors over the slot's bytes (each its own storage: nothing is copied and
-    ``torch.save`` writes only that range); DTensor chunks as DTensors on their mesh."""
-    from torch.distributed.tensor import DTensor
-
+def _tensors(header: dict[str, Any], data: memoryview) -> dict[str, torch.Tensor]:
+    """The snapshot's tensors over the slot's bytes, each its own storage (nothing is copied, and
+    ``torch.save`` writes only that range)."""
     out: dict[str, torch.Tensor] = {}
     for e in (Entry(*t) for t in header["entries"]):
         dtype = getattr(torch, e.dtype)
         if e.nbytes:
-            t = torch.frombuffer(data[e.offset : e.offset + e.nbytes], dtype=dtype).reshape(e.chunk)
+            out[e.key] = torch.frombuffer(data[e.offset : e.offset + e.nbytes], dtype=dtype).reshape(e.chunk)
         else:
-            t = torch.empty(e.chunk, dtype=dtype)
-        if e.placements is not None:
-            t = DTensor.from_local(t, meshes[e.key], e.placements, run_check=False,
-                                   shape=torch.Size(e.size), stride=_contiguous_stride(e.size))  # fmt: skip
-        out[e.key] = t
+            out[e.key] = torch.empty(e.chunk, dtype=dtype)
     return out
 
 
-def write_part(ckpt: CheckpointDir, header: dict[str, Any], data: memoryview, meshes: dict[str, Any]) -> None:
-    """This rank's DCP data file and its part of the metadata (background thread, no collective)."""
+def write_part(ckpt: CheckpointDir, header: dict[str, Any], data: memoryview) -> None:
+    """This rank's DCP data file and its part of the metadata (background thread, no collective).
+
+    DCP's save planner flattens the tree (its keys, its non-tensor values); the tensors' chunk
+    metadata comes from the snapshot's entries (the global size and where this rank's chunk sits),
+    so no DTensor is needed here.  Plain tensors and non-tensor values are written by rank 0 only.
+    """
     step, rank = header["step"], header["rank"]
     d = ckpt.step_dir(step)
     d.mkdir(parents=True, exist_ok=True)
-    tree = join(pickle.loads(header["skeleton"]), _tensors(header, data, meshes))
+    entries = {e.key: e for e in (Entry(*t) for t in header["entries"])}
     planner = DefaultSavePlanner()
+    tree = join(pickle.loads(header["skeleton"]), _tensors(header, data))
     if "storage_meta" in inspect.signature(planner.set_up_planner).parameters:
         planner.set_up_planner(tree, storage_meta=None, is_coordinator=rank == 0)
     else:  # torch < 2.4
         planner.set_up_planner(tree, rank == 0)  # type: ignore[call-arg]
-    items = [i for i in planner.create_local_plan().items if rank == 0 or i.type == WriteItemType.SHARD]
     md: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     name = data_name(rank)
@@ -131,18 +125,30 @@ def write_part(ckpt: CheckpointDir, header: dict[str, Any], data: memoryview, me
     try:
         with open(tmp, "wb") as f:
             sink = _Sink(f)
-            for item in items:
+            for item in planner.create_local_plan().items:
+                e = entries.get(item.index.fqn)
+                if item.type == WriteItemType.BYTE_IO or e is None:  # a value, or tensors inside one
+                    if rank != 0:
+                        continue
+                    start = sink.size
+                    value = planner.resolve_data(item)
+                    if isinstance(value, torch.Tensor):
+                        torch.save(value, sink)
+                        td = item.tensor_data
+                        md.setdefault(item.index.fqn, TensorStorageMetadata(td.properties, td.size, [td.chunk]))
+                    else:
+                        sink.write(value.getbuffer())
+                        md[item.index.fqn] = BytesStorageMetadata()
+                    storage[item.index] = _storage_info(name, start, sink.size - start)
+                    continue
+                if e.placements is None and rank != 0:
+                    continue  # a plain tensor every rank holds
                 start = sink.size
-                value = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    sink.write(value.getbuffer())
-                    md[item.index.fqn] = BytesStorageMetadata()
-                else:
-                    torch.save(value, sink)
-                    td = item.tensor_data
-                    meta = md.setdefault(item.index.fqn, TensorStorageMetadata(td.properties, td.size, []))
-                    meta.chunks.append(td.chunk)
-                storage[item.index] = _storage_info(name, start, sink.size - start)
+                torch.save(planner.resolve_data(item), sink)
+                props = TensorProperties(dtype=getattr(torch, e.dtype))
+                meta = md.setdefault(e.key, TensorStorageMetadata(props, torch.Size(e.size), []))
+                meta.chunks.append(ChunkStorageMetadata(torch.Size(e.offsets), torch.Size(e.chunk)))
+                storage[MetadataIndex(e.key, e.offsets)] = _storage_info(name, start, sink.size - start)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -201,6 +201,19 @@ def join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return skeleton
 
 
+def refs_of(skeleton: Any) -> set[str]:
+    """The keys of every :class:`Ref` in ``skeleton``."""
+    if isinstance(skeleton, Ref):
+        return {skeleton.key}
+    if isinstance(skeleton, dict):
+        values: Any = skeleton.values()
+    elif isinstance(skeleton, (list, tuple)):
+        values = skeleton
+    else:
+        return set()
+    return set().union(*(refs_of(v) for v in values))
+
+
 def local_part(key: str, t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], tuple | None]:
     """``(local tensor, global size, chunk offsets, placements)`` of one tensor of the state."""
     if is_dtensor(t):
