@@ -36,10 +36,10 @@ from elastrun.train.copier import SnapshotCopy
 from elastrun.train.sharded import durable, slots
 from elastrun.train.sharded.layout import (
     Entry,
+    Layout,
     Unsupported,
     is_dtensor,
     join,
-    lay_out,
     optimizer_positional,
     optimizer_tree,
     param_names,
@@ -79,6 +79,11 @@ class ShardedState:
             raise Unsupported("a sharded optimizer needs its model: pass model= to State too")
         self.names = param_names(self.module, self.optimizer) if self.optimizer is not None else []
         self._slots: slots.ShardSlots | None = None
+        self._layout = Layout()
+        #: What the last snapshot's layout gave (reused while it does not change): entries as
+        #: tuples for the header, and the storage only ``optimizer.step()`` changes.
+        self._entries: list[tuple] = []
+        self._stable: set[int] = set()
         st = os.stat(state._mem.dir)
         self.node = f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"
         #: The worker group the model was sharded on; after an in-process re-form (``et.run``) the
@@ -99,7 +104,7 @@ class ShardedState:
         """The state as DCP names it: ``model.<fqn>``, ``optimizer.state.<fqn>.<name>``, ..."""
         st = self.st
         return {
-            "model": self.module.state_dict() if self.module is not None else {},
+            "model": self.module.state_dict(keep_vars=True) if self.module is not None else {},
             "optimizer": optimizer_tree(self.optimizer, self.names) if self.optimizer is not None else {},
             "elastrun": {
                 "step": st.step,
@@ -137,16 +142,18 @@ class ShardedState:
         """Copy this rank's shard of ``State.step`` into a memory slot (and queue its checkpoint)."""
         st = self.st
         skeleton, tensors = split(self.tree())
-        entries, locals_, nbytes = lay_out(tensors)
+        entries, locals_, nbytes, changed = self._layout(tensors)
+        if changed:
+            self._entries = [dataclasses.astuple(e) for e in entries]
+            self._stable = self._stable_ptrs()
         if background:
-            stable = self._stable_ptrs()
             for i, t in enumerate(locals_):
-                if t.numel() and not (t.data_ptr() in stable and t.is_contiguous()):
+                if t.numel() and not (t.data_ptr() in self._stable and t.is_contiguous()):
                     locals_[i] = t.clone()  # forward may change it before the copy runs
         flat = Flattened(None, locals_, [BlobEntry(e.dtype, e.chunk, e.offset, e.nbytes) for e in entries], nbytes)
         header = {
             "format": FORMAT, "step": st.step, "world_size": st._world_size, "rank": st._rank, "nbytes": nbytes,
-            "entries": [dataclasses.astuple(e) for e in entries],
+            "entries": self._entries,
             "skeleton": pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL),
         }  # fmt: skip
         mem = self.slots()

@@ -14,6 +14,7 @@ parameters, ``ZeroRedundancyOptimizer``, sharded tensors of the old ``ShardedTen
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -157,7 +158,7 @@ def optimizer_positional(tree: dict[str, Any], names: list[list[str]]) -> dict[s
 
 # -- a tree split into named tensors and a skeleton -----------------------------------------------
 def split(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    """The skeleton of ``tree`` and its tensors by key (a DTensor stays a DTensor here)."""
+    """The skeleton of ``tree`` and its tensors by key (the tree's own objects: a DTensor stays one)."""
     tensors: dict[str, torch.Tensor] = {}
 
     def walk(obj: Any, path: tuple[str, ...]) -> Any:
@@ -165,7 +166,7 @@ def split(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
             key = ".".join(path)
             if key in tensors:
                 raise Unsupported(f"two tensors of the state are both named {key!r}")
-            tensors[key] = obj.detach()
+            tensors[key] = obj
             return Ref(key)
         if isinstance(obj, dict):
             out = type(obj)()
@@ -219,26 +220,56 @@ def local_part(key: str, t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]
     if is_dtensor(t):
         _check_dtensor(key, t)
         chunk = t.__create_chunk_list__()[0]
-        return t.to_local(), tuple(t.shape), tuple(chunk.offsets), tuple(t.placements)
+        return t.to_local().detach(), tuple(t.shape), tuple(chunk.offsets), tuple(t.placements)
     if t.is_sparse or t.is_quantized:
         raise Unsupported(f"{key} is a sparse or quantized tensor: elastrun.train snapshots dense tensors only")
-    return t, tuple(t.shape), (0,) * t.dim(), None
+    return t.detach(), tuple(t.shape), (0,) * t.dim(), None
 
 
 ALIGN = 64
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``t``'s local data (a DTensor's local tensor, read without
+    the cost of ``to_local()``; the tensor itself where that attribute does not exist)."""
+    return getattr(t, "_local_tensor", t)
+
+
+class Layout:
+    """Lays out a rank's data file (64-byte aligned entries in key order), remembering the last
+    commit's: a tensor that is the same object over the same local storage keeps its entry, so a
+    commit does not recompute every DTensor's chunk (the costly part, ~0.1 ms each)."""
+
+    def __init__(self) -> None:
+        self._memo: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, Entry]] = {}
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> tuple[list[Entry], list[torch.Tensor], int, bool]:
+        """``(entries, local tensors to copy, file size, whether anything differs from last time)``."""
+        entries, locals_, offset = [], [], 0
+        changed = tensors.keys() != self._memo.keys()
+        memo = {}
+        for key, t in tensors.items():
+            hit = self._memo.get(key)
+            raw = _raw(t)
+            if hit is not None and hit[0] is t and hit[1] is raw and hit[2].data_ptr() == raw.data_ptr() and (
+                    hit[2].shape == raw.shape):  # fmt: skip
+                local, template = hit[2], hit[3]
+            else:
+                changed = True
+                local, size, offsets, placements = local_part(key, t)
+                template = Entry(key, str(local.dtype).removeprefix("torch."), size, offsets, tuple(local.shape), 0,
+                                 local.numel() * local.element_size(), placements, local.device.type)  # fmt: skip
+            entry = template if template.offset == offset else dataclasses.replace(template, offset=offset)
+            memo[key] = (t, raw, local, entry)
+            entries.append(entry)
+            locals_.append(local)
+            offset += (template.nbytes + ALIGN - 1) // ALIGN * ALIGN
+        self._memo = memo
+        return entries, locals_, offset, changed
+
+
 def lay_out(tensors: dict[str, torch.Tensor]) -> tuple[list[Entry], list[torch.Tensor], int]:
     """Entries of a rank's data file (64-byte aligned, in key order of ``tensors``), the local
     tensors to copy, and the file's size."""
-    entries, locals_, offset = [], [], 0
-    for key, t in tensors.items():
-        local, size, offsets, placements = local_part(key, t)
-        nbytes = local.numel() * local.element_size()
-        entries.append(
-            Entry(key, str(local.dtype).removeprefix("torch."), size, offsets, tuple(local.shape), offset, nbytes,
-                  placements, local.device.type)
-        )  # fmt: skip
-        locals_.append(local)
-        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    entries, locals_, offset, _ = Layout()(tensors)
     return entries, locals_, offset

@@ -1,0 +1,191 @@
+"""Benchmark of sharded states (FSDP2) in elastrun.train on CPU: commit() cost and restore times.
+
+A 100M-parameter MLP (6 square layers of 4096, each ``fully_shard``-ed, AdamW), 2 ranks on gloo,
+each rank a process of its own with its own snapshot directory (as on two nodes):
+
+* ``commit()`` every step: step time without and with it, from alternating blocks of 4 steps (the
+  overhead is the median over rounds of each pair's ratio, robust to a shared VM's drift), and the
+  time ``commit()`` itself blocks the training thread;
+* restore of the committed step into freshly built models, timed from a barrier after the model is
+  built: from memory at the same world size (2 → 2, each rank from its own node), from memory at a
+  new world size (2 → 3: the third rank's node is empty, so every rank reads part of its new shard
+  from a peer), from the DCP checkpoint on disk at 3 ranks (``State.restore()`` with empty node
+  memory: manifest check, then DCP's reader), and plain ``dcp.load`` of that checkpoint at 3 ranks.
+  The checkpoint was just written: its files are in the page cache (a warm disk).
+
+Usage: ``python bench/bench_sharded.py [--million 100] [--rounds 3]``.  Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import elastrun.train as et  # noqa: E402
+
+BATCH = 32
+
+
+def make_model(million: int) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    width = 4096 if million >= 50 else 1024
+    layers = max(2, round(million * 1e6 / (width * width)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    for layer in model:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def step(model, opt, x) -> None:
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def worker_commit(a: argparse.Namespace) -> dict:
+    """One rank of the 2-rank job: timing rounds, then a durable checkpoint of the last commit."""
+    model = make_model(a.million)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    x = torch.randn(BATCH, model[0].in_features)
+    state = et.State(model=model, optimizer=opt, checkpoint_dir=a.ckpt, snapshot_dir=a.snap, handle_signals=False)
+    for _ in range(5):  # AdamW's state exists after the first step; the first copies allocate the slots' pages
+        step(model, opt, x)
+        state.commit()
+    state.flush()
+    plain_s = commit_s = call_s = 0.0
+    ratios = []
+    for _ in range(a.rounds):
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(4):
+            step(model, opt, x)
+        plain = time.perf_counter() - t
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(4):
+            step(model, opt, x)
+            c = time.perf_counter()
+            state.commit()
+            call_s += time.perf_counter() - c
+        state.flush()
+        with_commit = time.perf_counter() - t
+        plain_s, commit_s = plain_s + plain, commit_s + with_commit
+        ratios.append(with_commit / plain - 1)
+    state.checkpoint()
+    nbytes = sum(p.stat().st_size for p in Path(a.snap).glob(f"shard.r{dist.get_rank()}.*.data"))
+    state.close()
+    n = 4 * a.rounds
+    return {"step": plain_s / n, "step_commit": commit_s / n, "call": call_s / n,
+            "overhead": statistics.median(ratios), "shm_bytes": nbytes}  # fmt: skip
+
+
+def worker_restore(a: argparse.Namespace) -> dict:
+    model = make_model(a.million)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    if a.mode == "plain-dcp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        dist.barrier()
+        t = time.perf_counter()
+        sd = {"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, opt)}
+        dcp.load(sd, checkpoint_id=a.step_dir)
+        set_optimizer_state_dict(model, opt, sd["optimizer"])
+        return {"source": "dcp.load", "seconds": time.perf_counter() - t}
+    state = et.State(model=model, optimizer=opt, checkpoint_dir=a.ckpt, snapshot_dir=a.snap, handle_signals=False)
+    dist.barrier()  # time the restore, not the peers still building their models
+    t = time.perf_counter()
+    source = state.restore()
+    elapsed = time.perf_counter() - t
+    state.close()
+    return {"source": source, "seconds": elapsed}
+
+
+def run_job(a: argparse.Namespace, role: str, snaps: list[Path], extra: list[str]) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank, snap in enumerate(snaps):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(len(snaps)), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="bench-sharded", OMP_NUM_THREADS="1")  # fmt: skip
+        cmd = [sys.executable, __file__, "--worker", role, "--snap", str(snap), "--million", str(a.million),
+               "--rounds", str(a.rounds), *extra]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=900)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{role} job failed: {[p.returncode for p in procs]}")
+    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--million", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=3, help="pairs of 4-step blocks without and with commit()")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--snap", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ckpt", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--mode", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--step-dir", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        et.init_distributed()
+        out = worker_commit(a) if a.worker == "commit" else worker_restore(a)
+        print(json.dumps(out), flush=True)
+        dist.destroy_process_group()
+        return
+    shm = Path(tempfile.mkdtemp(prefix="elastrun-bench-sharded-", dir="/dev/shm"))
+    disk = Path(tempfile.mkdtemp(prefix="elastrun-bench-sharded-ckpt-"))
+    node = [shm / f"node{i}" for i in range(4)]
+    try:
+        print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+        ckpt = ["--ckpt", str(disk)]
+        r = run_job(a, "commit", node[:2], ckpt)
+        print(f"\n{a.million}M parameters, FSDP2 at 2 ranks (gloo), AdamW; batch {BATCH}")
+        print("| step | step + commit() | commit() call | overhead (median of rounds) | node memory per rank |")
+        print("|---|---|---|---|---|")
+        for rank, x in enumerate(r):
+            print(f"| {x['step'] * 1e3:.0f} ms | {x['step_commit'] * 1e3:.0f} ms | {x['call'] * 1e3:.1f} ms | "
+                  f"{x['overhead'] * 100:+.1f} % | {x['shm_bytes'] / 2**30:.2f} GiB (rank {rank}) |")  # fmt: skip
+        plain = ["--mode", "plain-dcp", "--step-dir", str(max(disk.glob("step-*")))]
+        print("\n| restore of the committed step | source (per rank) | time (slowest rank) |\n|---|---|---|")
+        for what, snaps, extra in (
+            ("2 → 2, node memory", node[:2], []),
+            ("2 → 3, node memory (third node empty)", node[:3], []),
+            ("2 → 3, DCP checkpoint (State.restore)", [shm / f"empty{i}" for i in range(3)], ckpt),
+            ("2 → 3, plain dcp.load of that checkpoint", node[:3], plain),
+        ):  # fmt: skip
+            res = run_job(a, "restore", snaps, extra)
+            print(f"| {what} | {', '.join(str(x['source']) for x in res)} | {max(x['seconds'] for x in res):.2f} s |",
+                  flush=True)  # fmt: skip
+        print(f"\nload average after: {os.getloadavg()[0]:.1f}")
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
