@@ -61,9 +61,13 @@ def test_fsdp_crashes_end_bit_for_bit_equal(work, procs):
     log = (work / "run.log").read_text()
     assert rc == 0, log[-3000:]
     got = restores(crashed)
-    for attempt, step in ((1, 4), (2, 6), (3, 9), (4, 14)):
+    # "before" at 10: step 9, unless rank 1 died before its step-9 record landed (its copy is complete
+    # by its next optimizer step, the meta renamed right after): then 8, redone exactly.
+    for attempt, steps in ((1, {4}), (2, {6}), (3, {9, 8}), (4, {14})):
+        assert {got[(attempt, r)]["source"] for r in (0, 1)} == {"memory"}, (attempt, got)
+        [step] = {got[(attempt, r)]["step"] for r in (0, 1)}
+        assert step in steps, (attempt, got)
         for rank in (0, 1):
-            assert (got[(attempt, rank)]["source"], got[(attempt, rank)]["step"]) == ("memory", step), (attempt, got)
             assert got[(attempt, rank)]["sha256"] in digests(crashed)[step], "restored state differs from the commit"
     assert final(crashed) == final(clean), "parameters differ from the uninterrupted run"
     assert_exactly_once(crashed, SAMPLES, EPOCHS)
@@ -184,6 +188,7 @@ def lose_and_join(work: Path, procs, nodes: int, extra: list[str], node_env: lis
         hold.unlink()
         first = max(committed_steps(out))
         wait_for(lambda: max(committed_steps(out)) >= first + 6, 60, f"progress at world size {nodes}")
+        wait_for(lambda: list((work / "ck").glob("step-*/manifest.json")), 60, "a complete checkpoint")
         os.killpg(others[-1].pid, signal.SIGKILL)  # node loss: agent and worker
         others[-1].wait(10)
         wait_for(lambda: attempts(nodes - 1, full), 90, "the shrink")

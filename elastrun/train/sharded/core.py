@@ -20,6 +20,7 @@ import dataclasses
 import os
 import pickle
 import socket
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -84,6 +85,9 @@ class ShardedState:
         #: tuples for the header, and the storage only ``optimizer.step()`` changes.
         self._entries: list[tuple] = []
         self._stable: set[int] = set()
+        #: Set while a restore waits for the background writes: a checkpoint still waiting for the
+        #: parts of other ranks gives up (after a node loss they never come).
+        self._restoring = threading.Event()
         st = os.stat(state._mem.dir)
         self.node = f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"
         #: The worker group the model was sharded on; after an in-process re-form (``et.run``) the
@@ -213,7 +217,7 @@ class ShardedState:
             finally:
                 mem.unpin(slot)
             if rank == 0:
-                durable.finish(ckpt, step, ws, state)
+                durable.finish(ckpt, step, ws, state, abandoned=self._restoring.is_set)
 
         st._persister.submit(run)
 
@@ -251,8 +255,12 @@ class ShardedState:
     def restore(self) -> str | None:
         """``State.restore()`` for a sharded state: ``"memory"``, ``"peer"``, ``"disk"`` or None."""
         st = self.st
-        st._drain()
-        st._persister.wait()
+        self._restoring.set()
+        try:
+            st._drain()
+            st._persister.wait()
+        finally:
+            self._restoring.clear()
         if reform.active() and os.environ.get("TORCHELASTIC_RESTART_COUNT") != self.generation:
             if not self.attached:
                 raise Unsupported(

@@ -28,6 +28,7 @@ import pickle
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -187,13 +188,20 @@ def _merge(parts: list[dict[str, Any]]) -> Metadata:
                     version=getattr(filesystem, "CURRENT_DCP_VERSION", None))  # fmt: skip
 
 
-def finish(ckpt: CheckpointDir, step: int, world_size: int, state: bytes, wait_s: float = 120.0) -> bool:
+def finish(
+    ckpt: CheckpointDir, step: int, world_size: int, state: bytes, wait_s: float = 120.0,
+    abandoned: Callable[[], bool] = lambda: False,
+) -> bool:
     """On rank 0: wait for every rank's part and RNG file, write ``.metadata``, the state and the
-    manifest.  False (the step stays incomplete, with a warning) when a part never arrived."""
+    manifest.  False (the step stays incomplete, with a warning) when a part never arrived, or at
+    once when ``abandoned()`` (the job is re-forming: a lost rank's part will never come)."""  # fmt: skip
     d = ckpt.step_dir(step)
     wanted = [part_name(r) for r in range(world_size)] + [rng_name(r) for r in range(world_size)]
     deadline = time.monotonic() + wait_s
     while not all((d / n).exists() for n in wanted):
+        if abandoned():
+            notes.warn(f"checkpoint step {step} left incomplete: the job re-formed while it was written", stacklevel=2)
+            return False
         if time.monotonic() > deadline:
             missing = [n for n in wanted if not (d / n).exists()]
             notes.warn(f"checkpoint step {step} left incomplete: {missing} never arrived", stacklevel=2)
