@@ -422,6 +422,8 @@ class State:
         self._model, self._optimizer = model, optimizer
         self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) if optimizer else None
         self._async = self._async_snapshot and optimizer is not None
+        if self._sharded is not None:
+            self._sharded.close()
         self._sharded = sharded.part_of(self, model, optimizer)
         if self._sharded is not None:
             self._sharded.attached = True
@@ -619,6 +621,8 @@ class State:
             self._hook.remove()
             self._hook = None
         self._mem.close()
+        if self._sharded is not None:  # issue 24
+            self._sharded.close()
         if self._owns_snap_dir:
             shutil.rmtree(self._mem.dir, ignore_errors=True)
             self._owns_snap_dir = False

@@ -101,8 +101,15 @@ class ShardedState:
     def slots(self) -> slots.ShardSlots:
         """This rank's slots (made again when the rank changed, or after a restore)."""
         if self._slots is None or self._slots.rank != self.st._rank:
+            self.close()
             self._slots = slots.ShardSlots(self.st._mem.dir, self.st._mem.run_id, self.st._rank)
         return self._slots
+
+    def close(self) -> None:
+        """Unmap this rank's slots (``State.close()``, or a model replaced by ``State.attach()``)."""
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
 
     def tree(self) -> dict[str, Any]:
         """The state as DCP names it: ``model.<fqn>``, ``optimizer.state.<fqn>.<name>``, ..."""
@@ -285,7 +292,7 @@ class ShardedState:
                 continue
             st._restore_rng(plan, disk)  # type: ignore[arg-type]
             slots.drop_newer(st._mem.dir, st._mem.run_id, plan.step)  # an abandoned timeline
-            self._slots = None
+            self.close()
             return source
         raise RuntimeError("State.restore(): no saved sharded state could be loaded on every rank")
 
