@@ -414,6 +414,7 @@ class LocalAgent:
             self.trackers[local_rank] = HangTracker(hb_path, self.config.hang_timeout, self.config.startup_timeout)
             handle = kept.pop(local_rank, None)
             if handle is not None and not self._reassign(handle, launch, result):
+                self._fallback(handle, "gone before its new assignment")
                 self._discard(handle)
                 handle = None
             method = "kept"
@@ -464,6 +465,11 @@ class LocalAgent:
             pending.kept[new.local_rank] = handle.pid
         return True
 
+    def _fallback(self, handle: WorkerHandle, cause: str) -> None:
+        """Record that a worker which opted in to re-forms is restarted instead, and why."""
+        self.events.emit("reform_fallback", rank=handle.launch.rank, local_rank=handle.launch.local_rank,
+                         pid=handle.pid, cause=cause)
+
     def _discard(self, handle: WorkerHandle) -> None:
         """Kill and reap one worker."""
         self.reformer.forget(handle)
@@ -484,6 +490,9 @@ class LocalAgent:
                 handle.send_signal(signal.SIGKILL)
         candidates = [h for h in self.workers if h.launch.local_rank not in doomed]
         kept, asked = self.reformer.pause(candidates, self._fault_at or time.monotonic())
+        for handle in asked:
+            if handle.pid in self.reformer.refused:
+                self._fallback(handle, self.reformer.refused[handle.pid])
         stuck = [h for h in asked if h not in kept and h.poll() is None]
         if dump and stuck:
             for handle in stuck:
@@ -514,6 +523,7 @@ class LocalAgent:
             failed = self.reformer.take(handle, "failed")
             if failed is not None:
                 self.console.warn(f"rank {handle.launch.rank} could not re-form: {failed.get('error', '')[-300:]}")
+                self._fallback(handle, f"could not join the new group: {str(failed.get('error', ''))[-200:]}")
             done = self.reformer.take(handle, "reformed")
             if done is not None:
                 pending.reformed[local_rank] = done

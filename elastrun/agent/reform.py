@@ -49,6 +49,8 @@ class Reformer:
         #: Paused workers kept for the next round, by local rank.
         self.kept: dict[int, WorkerHandle] = {}
         self.pending: Pending | None = None
+        #: Why each worker asked by the last :meth:`pause` was not kept, by PID (a restart instead).
+        self.refused: dict[int, str] = {}
 
     def env(self) -> dict[str, str]:
         """What every worker's environment gets (nothing when re-forms are off)."""
@@ -73,12 +75,24 @@ class Reformer:
             return [], []
         self.pump()
         asked = [h for h in handles if self.opted_in(h) and self.server.send(h.pid, {"type": "pause"})]
+        self.refused = {}
         if not asked:
             return [], []
         t0 = time.monotonic()
         answers = self.server.wait_for([h.pid for h in asked], ("paused", "failed"), self.timeout)
         kept = [h for h in asked if answers.get(h.pid, {}).get("type") == "paused" and h.poll() is None]
         self.kept = {h.launch.local_rank: h for h in kept}
+        self.refused = {}
+        for h in asked:
+            answer = answers.get(h.pid, {})
+            if h in kept:
+                continue
+            if answer.get("type") == "failed":
+                self.refused[h.pid] = f"could not leave its group: {str(answer.get('error', ''))[-200:]}"
+            elif h.poll() is not None:
+                self.refused[h.pid] = "exited while leaving its group"
+            else:
+                self.refused[h.pid] = f"no answer to the pause within --reform-timeout ({self.timeout:g} s)"
         self.pending = Pending(detected_at=detected_at, paused_in=time.monotonic() - t0)
         return kept, asked
 
