@@ -712,7 +712,7 @@ def run_job(spec: JobSpec, references: dict[tuple, str] | None = None) -> RunRes
         result.checks.append(verify.complete_steps(steps))
         restored = records.restores(job.out)
         result.checks.append(verify.no_step_lost(job.steps.records, restored))
-        result.checks.append(verify.same_parameters(steps, restored))
+        result.checks.append(verify.same_parameters(steps, restored, job.steps.records))
         full = spec.nodes * spec.nproc
         reference = None
         if steps and result.worlds == [full]:

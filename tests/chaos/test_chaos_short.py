@@ -88,6 +88,10 @@ def test_invariants_catch_a_lost_step_and_diverged_ranks():
     steps = {1: [{"g": 0, "s": 1, "r": 0, "h": "a"}, {"g": 0, "s": 1, "r": 1, "h": "b"}]}
     assert not verify.same_parameters(steps, []).ok
     assert not verify.same_parameters({}, [{"g": 2, "s": 5, "h": "a"}, {"g": 2, "s": 5, "h": "b"}]).ok
+    ran = [{"g": 0, "s": 5, "r": 0, "h": "a"}, {"g": 1, "s": 5, "r": 0, "h": "b"}]  # step 5 redone by generation 1
+    assert verify.same_parameters({}, [{"g": 2, "s": 5, "h": "b"}], ran).ok
+    wrong = verify.same_parameters({}, [{"g": 2, "s": 5, "h": "a"}], ran)
+    assert not wrong.ok and "generation 1 committed" in wrong.detail, wrong.detail
 
 
 def test_faults_beyond_the_budget_fail_with_a_summary():
