@@ -26,9 +26,10 @@ WHERE_TIME_GOES = """## Where the time goes
   counted from its last heartbeat, so detection comes at or just under 3 s after the SIGSTOP; the
   SIGABRT stack dump plus SIGKILL and restart add ~0.4 s.  Without `--hang-timeout` the timeout is
   learned (10 x the slowest step, at least 30 s): a hang then costs at least 30 s.
-* **Agent SIGKILLed / node cut off**: all of the detection is the liveness timeout — c10d's
-  `heartbeat_timeout` (2.5 s, detection 2.5-3 s) and etcd's `lease_ttl` (3 s, whole seconds, so
-  3-4 s after the last renewal, up to 5 s measured).  After detection, ~0.2 s to the first step.
+* **Agent SIGKILLed**: its watcher's liveness link to it closes at once, so detection is ~0.1 s
+  (then ~0.2 s to the first step).  **Node cut off**: nothing closes, so detection is the liveness
+  timeout — c10d's `heartbeat_timeout` (2.5 s, detection 2.5-3 s) and etcd's `lease_ttl` (3 s,
+  whole seconds, so 3-4 s after the last renewal, up to 5 s measured).
 * **Agent SIGTERMed (pre-emption)**: nothing times out: the workers finish the step, write a
   durable checkpoint and exit 0, the agent leaves the rendezvous and the others re-form (~1-2 s).
 * **Node join**: a new agent process starts, its pool template imports torch (2-4 s on two busy
