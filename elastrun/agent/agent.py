@@ -35,6 +35,7 @@ from pathlib import Path
 
 from elastrun.agent.console import Console
 from elastrun.agent.hang import HangTracker
+from elastrun.agent.launches import worker_environment
 from elastrun.agent.reform import Reformer
 from elastrun.config import FORWARDED_SIGNALS, LaunchConfig, Std
 from elastrun.observe.events import EventLog
@@ -51,10 +52,7 @@ from elastrun.rendezvous.api import (
 )
 from elastrun.rendezvous.rounds import format_failure
 from elastrun.workers.api import ExitStatus, WorkerHandle, WorkerLaunch, WorkerStarter
-from elastrun.workers.env import worker_environment
-from elastrun.workers.errorfile import read_error_file
-from elastrun.workers.heartbeat import clear_reports, read_exit_report
-from elastrun.workers.logs import tail_text
+from elastrun.workers.reports import clear_reports, read_error_file, read_exit_report
 from elastrun.workers.spawn import error_file_path
 
 
@@ -419,7 +417,7 @@ class LocalAgent:
             method = "kept"
             if handle is None:
                 handle = self.starter.start(launch)
-                method = getattr(handle, "start_method", self.starter.name)
+                method = handle.start_method or self.starter.name
                 if self.reformer.pending is not None:
                     self.reformer.pending.restarted.append(local_rank)
             self.workers.append(handle)
@@ -455,10 +453,7 @@ class LocalAgent:
             return False
         handle.launch = new
         _link_kept_logs(old, launch)
-        streams = getattr(handle, "streams", None)
-        if streams is not None:
-            streams.out.set_prefix(new.console_prefix)
-            streams.err.set_prefix(new.console_prefix)
+        handle.set_console_prefix(new.console_prefix)
         pending = self.reformer.pending
         if pending is not None:
             pending.kept[new.local_rank] = handle.pid
@@ -713,10 +708,9 @@ class LocalAgent:
             if from_file is not None:
                 message = from_file[0]
             else:
-                pump = getattr(handle, "stderr_pump", None)
                 if handle.poll() is not None:  # a worker kept for a re-form keeps its streams
                     handle.close()
-                message = tail_text(pump, handle.launch.stderr_path)
+                message = handle.stderr_tail()
             records.append(
                 FailureRecord(
                     node_id=self.node_id,

@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastrun.protocol import SOCKET_ENV, WAIT_ENV
 from elastrun.workers.api import WorkerHandle
-from elastrun.workers.control import SOCKET_ENV, WAIT_ENV, ControlServer
+from elastrun.workers.control import ControlServer
 
 #: How long a worker whose group broke on its own (a peer died) waits for its agent's pause: the
 #: agent hears of a dead peer through the rendezvous (a reported failure, a missed heartbeat).

@@ -3,7 +3,7 @@
 Without this, elastrun answers a change (another worker failed, a node was lost, a node joins)
 by killing every worker and starting new ones.  A script that puts its training body in a
 function and hands it to :func:`run` opts in to *re-forms* instead: when its agent says
-``pause`` (see :mod:`elastrun.workers.control`), the training thread leaves whatever it was
+``pause`` (see :mod:`elastrun.inworker.control`), the training thread leaves whatever it was
 doing, the default process group is torn down, the worker waits for the new round's environment,
 joins the new group with its new rank and world size, rolls its state back to the last commit
 agreed by every rank (``State.restore()``, from its own objects where it can) and calls ``fn``
@@ -40,10 +40,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
+from elastrun.inworker import heartbeat, pg_guard
+from elastrun.inworker.control import ControlClient
+from elastrun.protocol import WAIT_ENV
 from elastrun.train import notes
 from elastrun.train.dist import DistInfo, init_distributed
-from elastrun.workers import heartbeat, pg_guard
-from elastrun.workers.control import WAIT_ENV, ControlClient
 
 if TYPE_CHECKING:
     from elastrun.train.state import State

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from elastrun.inworker.heartbeat import heartbeat
 from elastrun.train import dist as edist
 from elastrun.train import notes, reform, rng
 from elastrun.train.background import BackgroundJob
@@ -41,7 +42,6 @@ from elastrun.train.copier import SnapshotCopy
 from elastrun.train.plan import Plan, Report, make_plan
 from elastrun.train.sampler import ElasticSampler
 from elastrun.train.snapshot import RNG_KEEP, MemorySnapshots, SlotInfo
-from elastrun.workers.heartbeat import heartbeat
 
 _RESERVED = {"step", "commit", "restore", "checkpoint", "flush", "close", "extras", "preempted", "last_restore"}
 

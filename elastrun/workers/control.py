@@ -1,4 +1,4 @@
-"""The control channel between an agent and the workers that opted in to in-process re-forms.
+"""The agent's end of the control channel to the workers that opted in to in-process re-forms.
 
 A worker started by elastrun finds ``ELASTRUN_CONTROL_SOCKET`` in its environment: a Unix
 socket the agent listens on in its runtime directory.  A script that runs its training through
@@ -15,59 +15,26 @@ Messages are JSON objects, one per line, each with a ``type``:
   worker environment, ``round``).
 
 The agent side (:class:`ControlServer`) never blocks: it is pumped from the agent's ``select``
-loop.  The worker side (:class:`ControlClient`) reads on a daemon thread and hands messages to
-a callback, so a ``pause`` reaches a training thread that is blocked in a collective.
+loop.  The worker side (:class:`elastrun.inworker.control.ControlClient`) reads on a daemon
+thread and hands messages to a callback, so a ``pause`` reaches a training thread that is
+blocked in a collective.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import select
 import socket
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-#: Environment variables the agent gives every worker.
-SOCKET_ENV = "ELASTRUN_CONTROL_SOCKET"
-#: Seconds a worker whose group broke on its own (a peer's connection closed) waits for its agent.
-WAIT_ENV = "ELASTRUN_REFORM_WAIT"
-_MAX_LINE = 1 << 20
-
-
-def _encode(message: dict[str, Any]) -> bytes:
-    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
-
-
-class _Lines:
-    """Splits a byte stream into JSON messages."""
-
-    def __init__(self) -> None:
-        self._buf = b""
-
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
-        self._buf += data
-        out = []
-        while b"\n" in self._buf:
-            line, self._buf = self._buf.split(b"\n", 1)
-            try:
-                message = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(message, dict):
-                out.append(message)
-        if len(self._buf) > _MAX_LINE:
-            self._buf = b""
-        return out
+from elastrun.protocol import LineReader, encode_line
 
 
 class _Peer:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.lines = _Lines()
+        self.lines = LineReader()
         self.pid: int | None = None
         self.local_rank: int | None = None
 
@@ -149,7 +116,7 @@ class ControlServer:
         peer = self._peer(pid)
         if peer is None:
             return False
-        data = _encode(message)
+        data = encode_line(message)
         deadline = time.monotonic() + 2.0
         while data:
             try:
@@ -209,62 +176,3 @@ class ControlServer:
             self.path.unlink()
         except FileNotFoundError:
             pass
-
-
-class ControlClient:
-    """The worker's end: one connection to its agent, read on a daemon thread.
-
-    ``on_message`` runs on that thread for every message from the agent; ``None`` signals that
-    the agent closed the connection.
-    """
-
-    def __init__(self, path: str, on_message: Callable[[dict[str, Any] | None], None]) -> None:
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.connect(path)
-        self._send_lock = threading.Lock()
-        self._on_message = on_message
-        self._thread = threading.Thread(target=self._read, name="elastrun-control", daemon=True)
-
-    @classmethod
-    def from_env(cls, on_message: Callable[[dict[str, Any] | None], None]) -> ControlClient | None:
-        """Connect to the agent named in ``ELASTRUN_CONTROL_SOCKET``; None outside elastrun."""
-        path = os.environ.get(SOCKET_ENV)
-        if not path:
-            return None
-        try:
-            return cls(path, on_message)
-        except OSError:
-            return None
-
-    def hello(self, local_rank: int) -> None:
-        """Say who this worker is, then start reading the agent's messages."""
-        self.send({"type": "hello", "pid": os.getpid(), "local_rank": local_rank})
-        self._thread.start()
-
-    def send(self, message: dict[str, Any]) -> bool:
-        with self._send_lock:
-            try:
-                self._sock.sendall(_encode(message))
-            except OSError:
-                return False
-        return True
-
-    def _read(self) -> None:
-        lines = _Lines()
-        while True:
-            try:
-                data = self._sock.recv(65536)
-            except OSError:
-                data = b""
-            if not data:
-                self._on_message(None)
-                return
-            for message in lines.feed(data):
-                self._on_message(message)
-
-    def close(self) -> None:
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()

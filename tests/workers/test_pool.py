@@ -23,8 +23,8 @@ import pytest
 
 from elastrun import log
 from elastrun.config import LaunchConfig
+from elastrun.protocol import exec_argv
 from elastrun.workers.api import WorkerLaunch
-from elastrun.workers.bootstrap import exec_argv
 from elastrun.workers.pool import PoolHandle, PoolStarter, select_starter
 from elastrun.workers.spawn import ChildHandle, ExecStarter
 

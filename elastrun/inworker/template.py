@@ -23,7 +23,7 @@ would fire when the intermediate child exits.
 
 The worker is turned into what ``python -u SCRIPT ARGS`` would have been (see
 :func:`_become_worker`); then it runs the job and leaves through
-:func:`elastrun.workers.bootstrap.run_target`, exactly as an exec'd worker does (exit codes,
+:func:`elastrun.inworker.bootstrap.run_target`, exactly as an exec'd worker does (exit codes,
 atexit handlers, non-daemon threads, flushing, death by SIGINT after ``KeyboardInterrupt``, then
 ``os._exit`` past the interpreter's teardown).
 """
@@ -42,8 +42,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from elastrun.workers.bootstrap import run_target
-from elastrun.workers.prctl import set_parent_death_signal
+from elastrun.inworker.bootstrap import run_target
+from elastrun.prctl import set_parent_death_signal
 
 #: Imports every worker of a torch job pays: ``torch._dynamo`` comes with the first DDP model.
 BASE_IMPORTS = ("torch", "torch._dynamo", "torch.nn.parallel", "torch.distributed")
