@@ -8,14 +8,19 @@ The agent's side (``elastrun.agent``, ``elastrun.workers``) and the code that ru
   contract, ``RANK`` and the rest, is built in :mod:`elastrun.agent.launches`);
 - the files a worker leaves for its agent: the heartbeat file and, beside it, the exit report
   (:func:`exit_report_path`);
-- the control channel's framing: JSON objects, one per line (:class:`LineReader`, :func:`encode_line`).
+- the control channel of in-process re-forms: its messages, small dataclasses (:data:`TO_AGENT`,
+  :data:`TO_WORKER`), one JSON object per line (:func:`encode`, :class:`LineReader`); a message that is
+  not one of them, or whose fields are wrong, is refused with a :class:`ProtocolError` that says why.
+  docs/train.md, "The re-form protocol", has the sequence and its state diagram.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 #: A file the worker touches once per unit of progress (``elastrun.heartbeat()``); its exit report lies beside it.
 HEARTBEAT_ENV = "ELASTRUN_HEARTBEAT_FILE"
@@ -51,33 +56,148 @@ def exit_report_path(heartbeat_path: str) -> str:
     return heartbeat_path + ".exit"
 
 
+# ------------------------------------------------------------------------------- control messages
+class ProtocolError(ValueError):
+    """A control message that is not one of :data:`TO_AGENT` / :data:`TO_WORKER`, or whose fields are wrong."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    """worker → agent, first on a connection: this worker (by PID) opted in to in-process re-forms."""
+
+    kind: ClassVar[str] = "hello"
+    pid: int
+    local_rank: int | None = None
+
+
+@dataclass(frozen=True)
+class Pause:
+    """agent → worker: leave the current process group now, then say :class:`Paused`."""
+
+    kind: ClassVar[str] = "pause"
+
+
+@dataclass(frozen=True)
+class Paused:
+    """worker → agent: it left its group; ``live`` is the committed step its own objects hold (None: torn)."""
+
+    kind: ClassVar[str] = "paused"
+    live: int | None
+    pid: int
+
+
+@dataclass(frozen=True)
+class Assign:
+    """agent → worker: the next round's worker environment (``RANK``, ``WORLD_SIZE``, ...) and its number."""
+
+    kind: ClassVar[str] = "assign"
+    env: dict[str, str]
+    round: int | None
+
+
+@dataclass(frozen=True)
+class Reformed:
+    """worker → agent: it joined the round's group and restored ``step`` from ``source`` in ``took`` s."""
+
+    kind: ClassVar[str] = "reformed"
+    round: int | None
+    source: str | None
+    step: int
+    took: float
+    after: str = ""
+
+
+@dataclass(frozen=True)
+class Failed:
+    """worker → agent: its re-form failed (``error``: the exception); the agent restarts it."""
+
+    kind: ClassVar[str] = "failed"
+    error: str
+
+
+ToAgent = Hello | Paused | Reformed | Failed
+ToWorker = Pause | Assign
+Message = ToAgent | ToWorker
+#: What each side accepts.
+TO_AGENT: tuple[type, ...] = (Hello, Paused, Reformed, Failed)
+TO_WORKER: tuple[type, ...] = (Pause, Assign)
+
+_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "int | None": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
+    "float": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "str | None": lambda v: v is None or isinstance(v, str),
+    "dict[str, str]": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
+                                                              for k, x in v.items()),
+}
+
+
+def to_wire(message: Message) -> dict[str, Any]:
+    """The JSON object of ``message``: its fields and ``"type"``."""
+    return {"type": message.kind, **{f.name: getattr(message, f.name) for f in fields(message)}}
+
+
+def from_wire(obj: Any, accept: tuple[type, ...]) -> Message:
+    """The message of one decoded JSON value; :class:`ProtocolError` saying what is wrong otherwise."""
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"a control message must be a JSON object, got {type(obj).__name__}")
+    kinds = {cls.kind: cls for cls in accept}
+    cls = kinds.get(obj.get("type"))  # type: ignore[arg-type]
+    if cls is None:
+        raise ProtocolError(f"unknown control message type {obj.get('type')!r}; this side accepts "
+                            f"{', '.join(kinds)}")
+    values = {k: v for k, v in obj.items() if k != "type"}
+    known = {f.name: f for f in fields(cls)}
+    extra = sorted(set(values) - set(known))
+    if extra:
+        raise ProtocolError(f"{cls.kind!r} message with unknown field(s) {', '.join(extra)}")
+    for name, f in known.items():
+        if name not in values:
+            if f.default is MISSING:
+                raise ProtocolError(f"{cls.kind!r} message without its field {name!r}")
+            continue
+        if not _CHECKS[str(f.type)](values[name]):
+            raise ProtocolError(f"{cls.kind!r} message: field {name!r} must be {f.type}, got {values[name]!r:.80}")
+    return cls(**values)
+
+
 # ------------------------------------------------------------------------------- control framing
-#: The longest line a reader keeps; a longer one is dropped whole.
+#: The longest line a reader keeps; a longer one is refused.
 MAX_LINE = 1 << 20
 
 
-def encode_line(message: dict[str, Any]) -> bytes:
+def encode(message: Message) -> bytes:
     """One message as the channel carries it: compact JSON and a newline."""
-    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+    return json.dumps(to_wire(message), separators=(",", ":")).encode() + b"\n"
 
 
 class LineReader:
-    """Splits a byte stream into JSON messages."""
+    """Splits a byte stream into the messages this side accepts, one per line.
 
-    def __init__(self) -> None:
+    :meth:`feed` returns, in order, each message, or a :class:`ProtocolError` for a line that is not
+    one (the caller refuses it: the channel's peer does not speak this protocol).
+    """
+
+    def __init__(self, accept: tuple[type, ...]) -> None:
+        self.accept = accept
         self._buf = b""
 
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
+    def feed(self, data: bytes) -> list[Message | ProtocolError]:
         self._buf += data
-        out = []
+        out: list[Message | ProtocolError] = []
         while b"\n" in self._buf:
             line, self._buf = self._buf.split(b"\n", 1)
             try:
-                message = json.loads(line)
+                obj = json.loads(line)
             except ValueError:
+                out.append(ProtocolError(f"a control message that is not JSON: {line[:80]!r}"))
                 continue
-            if isinstance(message, dict):
-                out.append(message)
+            try:
+                out.append(from_wire(obj, self.accept))
+            except ProtocolError as exc:
+                out.append(exc)
         if len(self._buf) > MAX_LINE:
             self._buf = b""
+            out.append(ProtocolError(f"a control message longer than {MAX_LINE} bytes"))
         return out

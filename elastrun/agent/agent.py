@@ -39,6 +39,7 @@ from elastrun.agent.launches import worker_environment
 from elastrun.agent.reform import Reformer
 from elastrun.config import FORWARDED_SIGNALS, LaunchConfig, Std
 from elastrun.observe.events import EventLog
+from elastrun.protocol import Failed, Reformed
 from elastrun.rendezvous.api import (
     FailureRecord,
     JobFailedError,
@@ -506,19 +507,19 @@ class LocalAgent:
             local_rank = handle.launch.local_rank
             if local_rank not in pending.kept:
                 continue
-            failed = self.reformer.take(handle, "failed")
-            if failed is not None:
-                self.console.warn(f"rank {handle.launch.rank} could not re-form: {failed.get('error', '')[-300:]}")
-            done = self.reformer.take(handle, "reformed")
-            if done is not None:
+            failed = self.reformer.take(handle, Failed)
+            if isinstance(failed, Failed):
+                self.console.warn(f"rank {handle.launch.rank} could not re-form: {failed.error[-300:]}")
+            done = self.reformer.take(handle, Reformed)
+            if isinstance(done, Reformed):
                 pending.reformed[local_rank] = done
         if len(pending.reformed) < len(pending.kept):
             return
         took = time.monotonic() - pending.detected_at
-        sources = sorted({str(r.get("source")) for r in pending.reformed.values()})
+        sources = sorted({str(r.source) for r in pending.reformed.values()})
         self.events.emit("reform", round=result.round, duration=round(took, 4), paused_in=round(pending.paused_in, 4),
                          kept=sorted(pending.kept), restarted=sorted(pending.restarted), sources=sources,
-                         step=max((r.get("step") or 0) for r in pending.reformed.values()))
+                         step=max((r.step or 0) for r in pending.reformed.values()))
         self.console.info(f"re-formed in process {took:.2f} s after the change: local rank(s) "
                           f"{', '.join(map(str, sorted(pending.kept)))} kept their process"
                           + (f", {', '.join(map(str, sorted(pending.restarted)))} restarted" if pending.restarted

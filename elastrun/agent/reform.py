@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elastrun.protocol import SOCKET_ENV, WAIT_ENV
+from elastrun.protocol import SOCKET_ENV, WAIT_ENV, Assign, Failed, Pause, Paused, Reformed
 from elastrun.workers.api import WorkerHandle
 from elastrun.workers.control import ControlServer
 
@@ -34,7 +34,7 @@ class Pending:
     paused_in: float
     kept: dict[int, int] = field(default_factory=dict)  # local rank -> pid
     restarted: list[int] = field(default_factory=list)  # local ranks started anew
-    reformed: dict[int, dict] = field(default_factory=dict)  # local rank -> the worker's report
+    reformed: dict[int, Reformed] = field(default_factory=dict)  # local rank -> the worker's report
     round: int | None = None
 
 
@@ -73,12 +73,12 @@ class Reformer:
         if self.server is None:
             return [], []
         self.pump()
-        asked = [h for h in handles if self.opted_in(h) and self.server.send(h.pid, {"type": "pause"})]
+        asked = [h for h in handles if self.opted_in(h) and self.server.send(h.pid, Pause())]
         if not asked:
             return [], []
         t0 = time.monotonic()
-        answers = self.server.wait_for([h.pid for h in asked], ("paused", "failed"), self.timeout)
-        kept = [h for h in asked if answers.get(h.pid, {}).get("type") == "paused" and h.poll() is None]
+        answers = self.server.wait_for([h.pid for h in asked], (Paused, Failed), self.timeout)
+        kept = [h for h in asked if isinstance(answers.get(h.pid), Paused) and h.poll() is None]
         self.kept = {h.launch.local_rank: h for h in kept}
         self.pending = Pending(detected_at=detected_at, paused_in=time.monotonic() - t0)
         return kept, asked
@@ -91,9 +91,9 @@ class Reformer:
         """Send a kept worker its new environment; False if it is gone."""
         if self.server is None or handle.poll() is not None:
             return False
-        return self.server.send(handle.pid, {"type": "assign", "env": env, "round": round_})
+        return self.server.send(handle.pid, Assign(env=env, round=round_))
 
-    def take(self, handle: WorkerHandle, kind: str) -> dict | None:
+    def take(self, handle: WorkerHandle, kind: type[Reformed] | type[Failed]) -> Reformed | Failed | None:
         return self.server.take(handle.pid, kind) if self.server is not None else None
 
     def close(self) -> None:

@@ -1,18 +1,22 @@
 """The worker's end of the control channel to its agent (in-process re-forms, ``elastrun.train.run``).
 
 The agent's end is :class:`elastrun.workers.control.ControlServer`; the messages and their framing
-are in :mod:`elastrun.protocol`.
+are in :mod:`elastrun.protocol`.  A message from the agent that this worker does not understand is
+refused: the worker says why on its stderr and leaves the channel (``on_message(None)``, as if the
+agent had closed it), so it is restarted rather than re-formed.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 from collections.abc import Callable
-from typing import Any
 
-from elastrun.protocol import SOCKET_ENV, LineReader, encode_line
+from elastrun.protocol import SOCKET_ENV, TO_WORKER, Hello, LineReader, ProtocolError, ToAgent, ToWorker, encode
+
+OnMessage = Callable[[ToWorker | None], None]
 
 
 class ControlClient:
@@ -22,7 +26,7 @@ class ControlClient:
     the agent closed the connection.
     """
 
-    def __init__(self, path: str, on_message: Callable[[dict[str, Any] | None], None]) -> None:
+    def __init__(self, path: str, on_message: OnMessage) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(path)
         self._send_lock = threading.Lock()
@@ -30,7 +34,7 @@ class ControlClient:
         self._thread = threading.Thread(target=self._read, name="elastrun-control", daemon=True)
 
     @classmethod
-    def from_env(cls, on_message: Callable[[dict[str, Any] | None], None]) -> ControlClient | None:
+    def from_env(cls, on_message: OnMessage) -> ControlClient | None:
         """Connect to the agent named in ``ELASTRUN_CONTROL_SOCKET``; None outside elastrun."""
         path = os.environ.get(SOCKET_ENV)
         if not path:
@@ -42,19 +46,19 @@ class ControlClient:
 
     def hello(self, local_rank: int) -> None:
         """Say who this worker is, then start reading the agent's messages."""
-        self.send({"type": "hello", "pid": os.getpid(), "local_rank": local_rank})
+        self.send(Hello(pid=os.getpid(), local_rank=local_rank))
         self._thread.start()
 
-    def send(self, message: dict[str, Any]) -> bool:
+    def send(self, message: ToAgent) -> bool:
         with self._send_lock:
             try:
-                self._sock.sendall(encode_line(message))
+                self._sock.sendall(encode(message))
             except OSError:
                 return False
         return True
 
     def _read(self) -> None:
-        lines = LineReader()
+        lines = LineReader(TO_WORKER)
         while True:
             try:
                 data = self._sock.recv(65536)
@@ -64,6 +68,12 @@ class ControlClient:
                 self._on_message(None)
                 return
             for message in lines.feed(data):
+                if isinstance(message, ProtocolError):
+                    print(f"elastrun: this worker's agent sent a control message it does not understand: {message}; "
+                          "leaving the control channel (this worker is restarted, not re-formed)", file=sys.stderr)
+                    self.close()
+                    self._on_message(None)
+                    return
                 self._on_message(message)
 
     def close(self) -> None:

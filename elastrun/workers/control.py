@@ -7,12 +7,10 @@ worker for a change elsewhere, asks it to leave its process group and waits for 
 environment (see docs/train.md, "In-process re-form").  Workers that never connect are handled
 as before: killed and started again.
 
-Messages are JSON objects, one per line, each with a ``type``:
-
-- worker → agent: ``hello`` (``pid``, ``local_rank``), ``paused`` (it left its group; ``live``:
-  the step its objects hold, or null), ``reformed`` (``round``, ``source``), ``failed`` (``error``);
-- agent → worker: ``pause`` (leave the current group now), ``assign`` (``env``: the new round's
-  worker environment, ``round``).
+The messages are the dataclasses of :mod:`elastrun.protocol`: ``Hello``, ``Paused``, ``Reformed``
+and ``Failed`` from a worker, ``Pause`` and ``Assign`` to it.  A connection that sends anything
+else (not JSON, an unknown type, a wrong field, a message before its ``Hello``) is refused: the
+agent says why and closes it, and that worker is restarted instead of re-formed at the next change.
 
 The agent side (:class:`ControlServer`) never blocks: it is pumped from the agent's ``select``
 loop.  The worker side (:class:`elastrun.inworker.control.ControlClient`) reads on a daemon
@@ -26,15 +24,19 @@ import select
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
-from elastrun.protocol import LineReader, encode_line
+from elastrun import log
+from elastrun.protocol import TO_AGENT, Hello, LineReader, ProtocolError, ToAgent, ToWorker, encode
+
+M = TypeVar("M", bound=ToAgent)
+_log = log.get("agent")
 
 
 class _Peer:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.lines = LineReader()
+        self.lines = LineReader(TO_AGENT)
         self.pid: int | None = None
         self.local_rank: int | None = None
 
@@ -54,7 +56,7 @@ class ControlServer:
         self._listener.setblocking(False)
         self._peers: dict[int, _Peer] = {}  # by descriptor
         #: Messages received from each hello'd worker (by PID), oldest first.
-        self.inbox: dict[int, list[dict[str, Any]]] = {}
+        self.inbox: dict[int, list[ToAgent]] = {}
 
     def filenos(self) -> list[int]:
         """Descriptors to include in the agent's ``select``."""
@@ -91,12 +93,22 @@ class ControlServer:
             self._drop(peer)
             return
         for message in peer.lines.feed(data):
-            if message.get("type") == "hello" and isinstance(message.get("pid"), int):
-                peer.pid = message["pid"]
-                peer.local_rank = message.get("local_rank")
+            if isinstance(message, Hello):
+                peer.pid = message.pid
+                peer.local_rank = message.local_rank
                 self.inbox[peer.pid] = []
-            elif peer.pid is not None:
+            elif isinstance(message, ProtocolError) or peer.pid is None:
+                self._refuse(peer, message if isinstance(message, ProtocolError)
+                             else ProtocolError(f"{message.kind!r} message before the connection's 'hello'"))
+                return
+            else:
                 self.inbox.setdefault(peer.pid, []).append(message)
+
+    def _refuse(self, peer: _Peer, error: ProtocolError) -> None:
+        who = "a worker" if peer.pid is None else f"worker {peer.pid} (local rank {peer.local_rank})"
+        _log.warning(f"{who} sent a control message elastrun does not understand: {error}; closing its control "
+                     "connection (it will be restarted, not re-formed, at the next change)")
+        self._drop(peer)
 
     def _drop(self, peer: _Peer) -> None:
         self._peers.pop(peer.sock.fileno(), None)
@@ -111,12 +123,12 @@ class ControlServer:
         """Whether the worker with this PID has said hello and is still connected."""
         return self._peer(pid) is not None
 
-    def send(self, pid: int, message: dict[str, Any]) -> bool:
+    def send(self, pid: int, message: ToWorker) -> bool:
         """Send one message to a worker; False if it is not connected (or the send failed)."""
         peer = self._peer(pid)
         if peer is None:
             return False
-        data = encode_line(message)
+        data = encode(message)
         deadline = time.monotonic() + 2.0
         while data:
             try:
@@ -132,21 +144,21 @@ class ControlServer:
             data = data[sent:]
         return True
 
-    def take(self, pid: int, kind: str) -> dict[str, Any] | None:
-        """Remove and return the oldest message of type ``kind`` from this worker, if any."""
+    def take(self, pid: int, kind: type[M]) -> M | None:
+        """Remove and return the oldest message of class ``kind`` from this worker, if any."""
         box = self.inbox.get(pid, [])
         for i, message in enumerate(box):
-            if message.get("type") == kind:
-                return box.pop(i)
+            if isinstance(message, kind):
+                return box.pop(i)  # type: ignore[return-value]
         return None
 
-    def wait_for(self, pids: list[int], kinds: tuple[str, ...], timeout: float) -> dict[int, dict[str, Any]]:
+    def wait_for(self, pids: list[int], kinds: tuple[type[ToAgent], ...], timeout: float) -> dict[int, ToAgent]:
         """Wait (bounded) until each worker sent one message of one of ``kinds`` or disconnected.
 
         Returns the message by PID for those that answered; the others are missing.
         """
         deadline = time.monotonic() + timeout
-        answers: dict[int, dict[str, Any]] = {}
+        answers: dict[int, ToAgent] = {}
         while True:
             for pid in pids:
                 if pid in answers:
