@@ -118,11 +118,7 @@ def run(config: LaunchConfig) -> int:
 
     agent = LocalAgent(config, handler, starter, base_env=base_env)
 
-    def rendezvous_warning(message: str, fields: dict[str, Any]) -> None:
-        log.get("rendezvous").warning(message)
-        agent.events.emit("rendezvous_warning", message=message, **fields)
-
-    handler.on_warning = rendezvous_warning
+    handler.on_warning = agent.report.rendezvous_warning
     return agent.run()
 
 

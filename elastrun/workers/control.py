@@ -20,6 +20,7 @@ blocked in a collective.
 
 from __future__ import annotations
 
+import abc
 import select
 import socket
 import time
@@ -33,6 +34,52 @@ M = TypeVar("M", bound=ToAgent)
 _log = log.get("agent")
 
 
+class ControlChannel(abc.ABC):
+    """What the agent's re-form session needs from the channel to its workers, addressed by PID.
+
+    :class:`ControlServer` is the real one; a unit test may give the session a stand-in.  Example::
+
+        if channel.connected(pid) and channel.send(pid, Pause()):
+            answers = channel.wait_for([pid], (Paused, Failed), timeout=5.0)
+    """
+
+    #: Where workers connect (given to them as ``ELASTRUN_CONTROL_SOCKET``).
+    path: Path
+
+    @abc.abstractmethod
+    def filenos(self) -> list[int]:
+        """Descriptors to include in the agent's ``select``."""
+
+    @abc.abstractmethod
+    def pump(self, timeout: float = 0.0) -> None:
+        """Take in what arrived, waiting at most ``timeout`` for something."""
+
+    @abc.abstractmethod
+    def connected(self, pid: int) -> bool:
+        """Whether the worker with this PID said hello and is still connected."""
+
+    @abc.abstractmethod
+    def send(self, pid: int, message: ToWorker) -> bool:
+        """Send one message to a worker; False if it is not connected (or the send failed)."""
+
+    @abc.abstractmethod
+    def take(self, pid: int, kind: type[M]) -> M | None:
+        """Remove and return the oldest message of class ``kind`` from this worker, if any."""
+
+    @abc.abstractmethod
+    def wait_for(self, pids: list[int], kinds: tuple[type[ToAgent], ...], timeout: float) -> dict[int, ToAgent]:
+        """Wait (bounded) until each worker sent one message of one of ``kinds`` or disconnected;
+        the message by PID of those that answered."""
+
+    @abc.abstractmethod
+    def forget(self, pid: int) -> None:
+        """Close the connection of a worker that is being killed."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close every connection and stop listening."""
+
+
 class _Peer:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -41,8 +88,8 @@ class _Peer:
         self.local_rank: int | None = None
 
 
-class ControlServer:
-    """The agent's end: accepts workers' connections, keeps each one's messages by PID."""
+class ControlServer(ControlChannel):
+    """The agent's end: accepts workers' connections on a Unix socket, keeps each one's messages by PID."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
