@@ -45,6 +45,7 @@ from elastrun.inworker.control import ControlClient
 from elastrun.protocol import WAIT_ENV, Assign, Failed, Pause, Paused, Reformed, ToAgent, ToWorker
 from elastrun.train import notes
 from elastrun.train.dist import DistInfo, init_distributed
+from elastrun.train.reformable import Reformable
 
 if TYPE_CHECKING:
     from elastrun.train.state import State
@@ -366,20 +367,20 @@ def run(fn: Callable[[State], T], state: State, backend: str | None = None, time
         link.close()
 
 
-def _reform(link: Link, state: State, backend: str | None, timeout_s: float, reason: str) -> None:
+def _reform(link: Link, state: Reformable, backend: str | None, timeout_s: float, reason: str) -> None:
     """Leave the group, take the agent's new assignment, join the new group and roll back."""
     for _ in range(1000):  # each pass is one pause from the agent; bounded by its restarts anyway
         left = False
         try:
             _leave_group(link)
-            link.paused(state._live_step())
+            link.paused(state.live_step())
             left = True
             message = link.wait_assign()
             t0 = time.monotonic()
             os.environ.update(message.env)
             heartbeat.reset()
             _init(link, backend, timeout_s)
-            state._rebind()
+            state.rebind()
             source = state.restore()
             link.send(Reformed(round=message.round, source=source, step=state.step,
                                took=round(time.monotonic() - t0, 4), after=reason))
