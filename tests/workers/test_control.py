@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from elastrun import log
 from elastrun.inworker.control import ControlClient
 from elastrun.protocol import (
     TO_AGENT,
@@ -82,6 +83,7 @@ def _until(check, timeout: float = 5.0, pump=None):
 
 @pytest.fixture
 def server(tmp_path):
+    log.configure()  # warnings reach the console whatever an earlier test set
     srv = ControlServer(tmp_path / "control.sock")
     try:
         yield srv
