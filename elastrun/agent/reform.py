@@ -11,11 +11,11 @@ process and says ``Reformed``.  Those that do not answer in time are killed and 
 every worker of a script that did not opt in is (the fallback: never a hang, never a worker left
 in an old group).
 
-The session's phases (docs/train.md, "The re-form protocol", draws them)::
-
-    IDLE --pause(): some kept--> PAUSED --take_kept(), assign()...--> ASSIGNED --all Reformed--> IDLE
-      ^  pause(): none kept           \\                                |  pause() again (a new change):
-      +--------------------------------+--------------------------------+  a fresh PAUSED or IDLE
+The session's phases (docs/train.md, "The re-form protocol", draws them with the messages):
+IDLE, then PAUSED once :meth:`~ReformSession.pause` kept someone, ASSIGNED once the new group has
+handed the kept workers their round (:meth:`~ReformSession.assigned`), and IDLE again when every
+one of them said ``Reformed`` (:meth:`~ReformSession.watch`).  A pause that keeps nobody, or a new
+change before the re-form completed, starts over from IDLE.
 
 The session is the node service that owns the channel: the node runtime hands its variables to
 every worker and its descriptors to the agent's loop.
