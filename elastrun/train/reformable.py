@@ -3,7 +3,11 @@
 :class:`~elastrun.train.state.State` is the one implementation today; a state of another shape
 (sharded parameters, say) that implements these methods runs under ``run`` too.  This is an
 internal interface of elastrun.train, documented so that ``run`` and ``State`` meet only here,
-not in each other's private attributes.
+not in each other's private attributes.  The other way round, a state asks ``run``'s module two
+things: ``reform.active()`` (whether it runs under ``run`` with an agent to re-form with: only then
+is the live commit worth remembering) and ``with reform.section():`` (a commit or restore that a
+re-form's interrupt must not cut; it is raised when the section ends).  The sampler's seam is
+:meth:`ElasticSampler.before_first_batch <elastrun.train.sampler.ElasticSampler.before_first_batch>`.
 """
 
 from __future__ import annotations
