@@ -1,4 +1,4 @@
-"""``elastrun status`` and ``elastrun timeline``: argument parsing and exit codes.
+"""``elastrun status``, ``elastrun timeline`` and ``elastrun goodput``: argument parsing and exit codes.
 
 ``elastrun.cli`` hands over argv with the subcommand first.  Exit codes: 0 done, 1 the job or
 its logs could not be read (one line on stderr saying why), 2 bad command line or a missing
@@ -56,6 +56,39 @@ def _timeline_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="FILE", help="also write a self-contained interactive HTML page")
     p.add_argument("--json", metavar="FILE", dest="json_out", help="also write the plotted data as JSON")
     return p
+
+
+def _goodput_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="elastrun goodput",
+        description="Goodput and badput of a job, from the events-*.jsonl and step records under LOG_DIR (the "
+        "--log-dir of its agents): the share of worker time spent in committed steps never redone, where the "
+        "rest went, and what each fault cost. See docs/observe.md.",
+        allow_abbrev=False,
+    )
+    p.add_argument("log_dir", metavar="LOG_DIR", help="directory holding events-*.jsonl (searched recursively)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument("--spans", action="store_true", help="with --json: include every classified interval")
+    return p
+
+
+def goodput_main(argv: list[str]) -> int:
+    """``elastrun goodput LOG_DIR [--json]``; returns the exit code."""
+    args = _goodput_parser().parse_args(argv)
+    from elastrun.observe.goodput_report import format_breakdown, load, summary_line, to_json
+
+    try:
+        gp = load(args.log_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"elastrun goodput: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(to_json(gp, spans=args.spans), indent=1))
+    else:
+        print(format_breakdown(gp))
+        print()
+        print(summary_line(gp))
+    return 0
 
 
 def status_main(argv: list[str]) -> int:
@@ -152,13 +185,16 @@ def timeline_main(argv: list[str]) -> int:
     return 0
 
 
+_MAINS = {"status": status_main, "timeline": timeline_main, "goodput": goodput_main}
+
+
 def main(argv: list[str]) -> int:
-    """Entry point used by ``elastrun.cli``: ``argv[0]`` is ``status`` or ``timeline``."""
-    if not argv or argv[0] not in ("status", "timeline"):
-        print("elastrun: error: expected 'status' or 'timeline'", file=sys.stderr)
+    """Entry point used by ``elastrun.cli``: ``argv[0]`` is ``status``, ``timeline`` or ``goodput``."""
+    if not argv or argv[0] not in _MAINS:
+        print("elastrun: error: expected 'status', 'timeline' or 'goodput'", file=sys.stderr)
         return 2
     try:
-        return status_main(argv[1:]) if argv[0] == "status" else timeline_main(argv[1:])
+        return _MAINS[argv[0]](argv[1:])
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2, message already printed)
         return int(exc.code or 0)
 
