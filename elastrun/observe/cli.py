@@ -41,6 +41,8 @@ def _status_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C (in place on a terminal)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the backend (default 3)")
+    p.add_argument("--log-dir", "--log_dir", dest="log_dir", default=os.environ.get("PET_LOG_DIR") or None,
+                   help="the job's --log-dir, readable from here: adds its goodput so far (env PET_LOG_DIR)")
     return p
 
 
@@ -91,6 +93,16 @@ def goodput_main(argv: list[str]) -> int:
     return 0
 
 
+def goodput_so_far(log_dir: str) -> dict:
+    """The goodput document of a running job's log directory, or ``{"error": why}``: status must still show."""
+    from elastrun.observe.goodput_report import load, to_json
+
+    try:
+        return to_json(load(log_dir, now=time.time()))
+    except (OSError, ValueError) as exc:
+        return {"error": str(exc)}
+
+
 def status_main(argv: list[str]) -> int:
     """``elastrun status ...``; returns the exit code."""
     args = _status_parser().parse_args(argv)
@@ -120,7 +132,10 @@ def status_main(argv: list[str]) -> int:
     )
 
     def read() -> dict:
-        return read_status(params, args.timeout)
+        doc = read_status(params, args.timeout)
+        if args.log_dir:
+            doc["goodput"] = goodput_so_far(args.log_dir)
+        return doc
 
     try:
         if args.watch and not args.json:

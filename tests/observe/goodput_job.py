@@ -64,7 +64,8 @@ def main() -> None:
             time.sleep(STEP_SECONDS)
             entered = time.time()
             state.commit()
-            log("step", n=state.step, t0=began, t1=entered, t2=time.time(), rank=dist.get_rank())
+            log("step", n=state.step, t0=began, t1=entered, t2=time.time(), rank=dist.get_rank(),
+                world=dist.get_world_size())
 
     if os.environ.get("MODE") == "run":
         et.run(train, state)
