@@ -742,11 +742,14 @@ def main(argv: list[str] | None = None) -> int:
     """The ``elastrun`` command: parse, then launch; exit status 2 (one line on stderr) on a usage error."""
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] in SUBCOMMANDS:
-        return _run_subcommand(args)
+        code = _run_subcommand(args)
+        sys.stdout.flush()  # here, so that a closed pipe is seen (and ends the command) like a failed write
+        return code
     try:
         config = parse(args, os.environ)
     except HelpRequested as request:
         print(request.text)
+        sys.stdout.flush()
         return 0
     except UsageError as error:
         log.get("cli").error(" ".join(str(error).split()) or "invalid command line")

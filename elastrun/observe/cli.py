@@ -20,8 +20,16 @@ _TIMELINE_EXTRA = "pip install 'elastrun[timeline]'"
 _ENV = {"backend": "PET_RDZV_BACKEND", "endpoint": "PET_RDZV_ENDPOINT", "id": "PET_RDZV_ID", "conf": "PET_RDZV_CONF"}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, except that ``--help`` into a closed pipe raises (argparse swallows it), so the
+    command ends as a Unix tool does (:func:`elastrun.cli.end_on_closed_pipe`) instead of exiting 0."""
+
+    def print_help(self, file=None) -> None:
+        (file or sys.stdout).write(self.format_help())
+
+
 def _status_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="elastrun status",
         description="Show a live job: its round, nodes (address, state, ranks, heartbeat age) and restarts. "
         "Reads the rendezvous as a pure client: it never joins or changes the job.",
@@ -47,7 +55,7 @@ def _status_parser() -> argparse.ArgumentParser:
 
 
 def _timeline_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="elastrun timeline",
         description="Draw a job's history from the events-*.jsonl files under LOG_DIR (the --log-dir of "
         "its agents; copy every node's files into one directory for a multi-host job).",
@@ -61,7 +69,7 @@ def _timeline_parser() -> argparse.ArgumentParser:
 
 
 def _goodput_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="elastrun goodput",
         description="Goodput and badput of a job, from the events-*.jsonl and step records under LOG_DIR (the "
         "--log-dir of its agents): the share of worker time spent in committed steps never redone, where the "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -11,14 +12,16 @@ import pytest
 from tests.harness import REPO, base_env
 
 
-def _through_closed_pipe(argv: list[str]) -> tuple[int, str]:
+def _through_closed_pipe(argv: list[str], buffered: bool) -> tuple[int, str]:
     """Run ``python -m elastrun ARGV`` with its stdout a pipe whose reader is already gone."""
-    import os
-
+    env = base_env()
+    env.pop("PYTHONUNBUFFERED", None)
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
     read_end, write_end = os.pipe()
     os.close(read_end)  # nobody will ever read: the first write fails with EPIPE
     try:
-        proc = subprocess.run([sys.executable, "-m", "elastrun", *argv], cwd=REPO, env=base_env(),
+        proc = subprocess.run([sys.executable, "-m", "elastrun", *argv], cwd=REPO, env=env,
                               stdout=write_end, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, timeout=60)
     finally:
         os.close(write_end)
@@ -27,8 +30,9 @@ def _through_closed_pipe(argv: list[str]) -> tuple[int, str]:
 
 @pytest.mark.parametrize("argv", [["--help"], ["--version"], ["status", "--help"], ["timeline", "--help"],
                                   ["goodput", "--help"]])
-def test_a_closed_pipe_ends_the_command_quietly_by_sigpipe(argv: list[str]) -> None:
-    code, err = _through_closed_pipe(argv)
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
+def test_a_closed_pipe_ends_the_command_quietly_by_sigpipe(argv: list[str], buffered: bool) -> None:
+    code, err = _through_closed_pipe(argv, buffered)
     assert code == -signal.SIGPIPE, (code, err)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert err == "", err
