@@ -81,6 +81,7 @@ def goodput_layer(gp: Goodput, t0: float, min_width: float) -> GoodputLayer:
         span = CauseSpan(s.node, s.slot, s.start - t0, s.end - t0, s.cause, s.fault, s.detail)
         if row and row[-1].cause == span.cause and row[-1].fault == span.fault and span.start - row[-1].end < 1e-3:
             row[-1].end = span.end
+            row[-1].detail = _merged(row[-1].detail, span.detail)
         elif row and span.end - span.start < min_width and span.start - row[-1].end < 1e-3:
             row[-1].end = span.end  # too narrow to see: its neighbour takes it (totals are exact elsewhere)
         else:
@@ -91,6 +92,15 @@ def goodput_layer(gp: Goodput, t0: float, min_width: float) -> GoodputLayer:
         layer.faults.append(FaultCost(f.index, f.at - t0, f.kind, f.node, f.label, f.detected - f.at,
                                       None if f.back is None else f.back - f.at, f.total, dict(f.cost)))
     return layer
+
+
+def _merged(first: str, last: str) -> str:
+    """The detail of two merged spans: ``step 3`` and ``step 9`` make ``steps 3-9``."""
+    if first.startswith("step") and last.startswith("step "):
+        low = first.split()[1].split("-")[0].rstrip(",")
+        high = last.split()[1].rstrip(",")
+        return f"steps {low}-{high}"
+    return first if first == last else first
 
 
 def span_tip(span: CauseSpan, lane_label: str, faults: list[FaultCost]) -> str:
