@@ -192,3 +192,14 @@ def test_status_shows_goodput_so_far() -> None:
     assert "goodput so far: goodput 90.0 %" in format_status(doc)
     doc["goodput"] = {"error": "no events-*.jsonl files under /x"}
     assert "goodput: not available (no events-*.jsonl files under /x)" in format_status(doc)
+
+
+def test_goodput_command_on_a_directory_without_events_is_one_line_and_exit_1(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from elastrun.observe.cli import main
+
+    assert main(["goodput", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no events-*.jsonl files under" in err and "--log-dir" in err
+    assert main(["goodput", str(tmp_path / "missing")]) == 1
+    assert "is not a directory" in capsys.readouterr().err
