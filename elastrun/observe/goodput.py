@@ -56,6 +56,9 @@ class Span:
     cause: str
     fault: int | None = None
     detail: str = ""
+    #: Seconds of ``commit`` inside a ``good`` span: back-to-back kept steps are one span (a long job has
+    #: hundreds of thousands of steps), their commits counted here.
+    inner: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -338,10 +341,10 @@ def _slot_spans(node: _Node, slot: int, logs: dict[tuple[str, Any], ProcessLog],
     """Append the spans of one slot over its node's life; returns the bases used (steps, heartbeats, none)."""
     bases: set[str] = set()
 
-    def add(a: float, b: float, cause: str, fault: Fault | None = None, detail: str = "") -> None:
+    def add(a: float, b: float, cause: str, fault: Fault | None = None, detail: str = "", inner: float = 0.0) -> None:
         a, b = max(a, node.start), min(b, node.end)
         if b > a:
-            out.append(Span(node.node, slot, a, b, cause, fault.index if fault else None, detail))
+            out.append(Span(node.node, slot, a, b, cause, fault.index if fault else None, detail, min(inner, b - a)))
 
     first_rdzv = node.groups[0].rdzv_start if node.groups else (node.open_rdzv or node.end)
     add(node.start, first_rdzv, "startup", detail="agent set-up")
@@ -389,8 +392,8 @@ def _run_spans(node: _Node, g: _Group, run: _Run, stop: float, pre: str, pre_fau
         recs = [r for r in plog.records if r.t1 > run.start - 1e-3 and r.t0 < stop + 1e-3]
     fault = g.fault
 
-    def add(a: float, b: float, cause: str, fault: Fault | None = None, detail: str = "") -> None:
-        put(max(a, run.start), min(b, stop), cause, fault, detail)  # a step that ends after the stop is cut
+    def add(a: float, b: float, cause: str, fault: Fault | None = None, detail: str = "", inner: float = 0.0) -> None:
+        put(max(a, run.start), min(b, stop), cause, fault, detail, inner)  # a step that ends after the stop is cut
 
     if not recs:
         if run.first_beat is None:
@@ -405,21 +408,36 @@ def _run_spans(node: _Node, g: _Group, run: _Run, stop: float, pre: str, pre_fau
     add(cursor, recs[0].t0, pre, pre_fault, "process start, imports, model build" if pre == "startup" else
         "re-forming or restarting the workers")
     cursor = recs[0].t0
+    block: list | None = None  # kept steps back to back: [start, end, commit seconds, first step, last step]
+
+    def flush() -> None:
+        nonlocal block
+        if block is not None:
+            what = f"step {block[3]}" if block[3] == block[4] else f"steps {block[3]}-{block[4]}"
+            add(block[0], block[1], "good", detail=what, inner=block[2])
+            block = None
+
     for r in recs:
         if r.t0 > cursor + 1e-6:
+            flush()
             add(cursor, r.t0, "unknown", detail="between records")
-        if r.kind == RESTORE:
-            add(r.t0, r.t1, "restore", pre_fault, f"from {r.source or 'fresh-start'} to step {r.step}")
-        elif r.kind == BLOCKED:
-            add(r.t0, r.t1, "commit", detail="checkpoint() or flush()")
-        elif r.kind == STEP:
-            by = rollbacks.redone_by(r.step, r.t2)
-            if by is False:
-                add(r.t0, r.t1, "good", detail=f"step {r.step}")
-                add(r.t1, r.t2, "commit", detail=f"commit of step {r.step}")
+        by = rollbacks.redone_by(r.step, r.t2) if r.kind == STEP else True
+        if by is False:
+            if block is not None and r.t0 - block[1] < 1e-6:
+                block[1], block[2], block[4] = r.t2, block[2] + (r.t2 - r.t1), r.step
             else:
+                flush()
+                block = [r.t0, r.t2, r.t2 - r.t1, r.step, r.step]
+        else:
+            flush()
+            if r.kind == RESTORE:
+                add(r.t0, r.t1, "restore", pre_fault, f"from {r.source or 'fresh-start'} to step {r.step}")
+            elif r.kind == BLOCKED:
+                add(r.t0, r.t1, "commit", detail="checkpoint() or flush()")
+            elif r.kind == STEP:
                 add(r.t0, r.t2, "redone", by if isinstance(by, Fault) else None, f"step {r.step}, rolled back")
         cursor = max(cursor, r.end)
+    flush()
     if g.how == "ok":
         add(cursor, stop, "idle", detail="after the last step: the script's end")
     elif fault is None:
@@ -480,7 +498,8 @@ def compute(events: list[dict[str, Any]], logs: dict[tuple[str, Any], ProcessLog
     sources: dict[str, float] = {}
     for s in spans:
         if s.cause == "good":
-            good += s.seconds
+            good += s.seconds - s.inner
+            badput["commit"] += s.inner
         else:
             badput[s.cause] += s.seconds
             if s.fault is not None:
@@ -528,24 +547,35 @@ def _backs(faults: list[Fault], nodes: dict[str, _Node], logs: dict[tuple[str, A
 
 
 def _wall(spans: list[Span], start: float, end: float) -> tuple[float, dict[str, float]]:
-    """Wall seconds: each moment takes the first cause in WALL_ORDER that any slot is in."""
+    """Wall seconds: each moment takes the first cause in WALL_ORDER that any slot is in.
+
+    While good spans are on top, the commits inside them (``Span.inner``) take their average share.
+    """
     rank = {c: i for i, c in enumerate(WALL_ORDER)}
-    marks: list[tuple[float, int, int]] = []
+    marks: list[tuple[float, int, int, float]] = []
     for s in spans:
         if s.end > s.start:
-            marks.append((s.start, 1, rank[s.cause]))
-            marks.append((s.end, -1, rank[s.cause]))
+            share = s.inner / (s.end - s.start)
+            marks.append((s.start, 1, rank[s.cause], share))
+            marks.append((s.end, -1, rank[s.cause], -share))
     marks.sort()
     counts = [0] * len(WALL_ORDER)
     totals = [0.0] * len(WALL_ORDER)
+    commit_share = 0.0  # sum of the inner-commit shares of the good spans open now
     prev = start
-    for t, delta, r in marks:
+    for t, delta, r, share in marks:
         if t > prev:
             top = next((i for i, c in enumerate(counts) if c > 0), None)
-            if top is not None:
+            if top == 0:  # good
+                part = (t - prev) * min(1.0, max(0.0, commit_share / counts[0]))
+                totals[0] += t - prev - part
+                totals[rank["commit"]] += part
+            elif top is not None:
                 totals[top] += t - prev
             prev = t
         counts[r] += delta
+        if r == 0:
+            commit_share += share
     bad = {c: totals[rank[c]] for c in CAUSES}
     covered = sum(totals)
     bad["idle"] += max(0.0, (end - start) - covered)  # moments no slot existed (between nodes' lives)

@@ -135,7 +135,7 @@ def to_json(gp: Goodput, spans: bool = False) -> dict[str, Any]:
     }
     if spans:
         doc["spans"] = [{"node": s.node, "slot": s.slot, "start": s.start, "end": s.end, "cause": s.cause,
-                         "fault": s.fault, "detail": s.detail} for s in gp.spans]
+                         "fault": s.fault, "detail": s.detail, "commit_inside": round(s.inner, 6)} for s in gp.spans]
     return doc
 
 

@@ -31,6 +31,7 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 MAGIC = b"ELSTEP1\n"
 HEADER_SIZE = 256
@@ -47,9 +48,8 @@ SOURCES = {0: None, 1: "memory", 2: "peer", 3: "disk", 4: "live"}
 _SOURCE_CODES = {v: k for k, v in SOURCES.items()}
 
 
-@dataclass(frozen=True)
-class Record:
-    """One decoded record (see the module docstring)."""
+class Record(NamedTuple):
+    """One decoded record (see the module docstring); a tuple, as a long job has hundreds of thousands."""
 
     kind: int
     source: str | None
@@ -217,8 +217,9 @@ def read(path: Path) -> ProcessLog | None:
     except ValueError:
         return None
     records = []
-    for offset in range(HEADER_SIZE, len(data) - RECORD.size + 1, RECORD.size):
-        kind, source, rnd, rank, world, step, t0, t1, t2 = RECORD.unpack_from(data, offset)
+    body = memoryview(data)[HEADER_SIZE:]
+    body = body[:len(body) - len(body) % RECORD.size]
+    for kind, source, rnd, rank, world, step, t0, t1, t2 in RECORD.iter_unpack(body):
         if kind == 0:
             break
         records.append(Record(kind, SOURCES.get(source), rnd, rank, world, step, t0, t1, t2))

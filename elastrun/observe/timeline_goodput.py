@@ -41,6 +41,8 @@ class CauseSpan:
     cause: str
     fault: int | None
     detail: str
+    #: Seconds of commit inside a goodput span (its steps' ``commit()`` calls).
+    inner: float = 0.0
 
 
 @dataclass
@@ -78,10 +80,11 @@ def goodput_layer(gp: Goodput, t0: float, min_width: float) -> GoodputLayer:
     by_slot: dict[tuple[str, int], list[CauseSpan]] = {}
     for s in sorted(gp.spans, key=lambda s: (s.node, s.slot, s.start)):
         row = by_slot.setdefault((s.node, s.slot), [])
-        span = CauseSpan(s.node, s.slot, s.start - t0, s.end - t0, s.cause, s.fault, s.detail)
+        span = CauseSpan(s.node, s.slot, s.start - t0, s.end - t0, s.cause, s.fault, s.detail, s.inner)
         if row and row[-1].cause == span.cause and row[-1].fault == span.fault and span.start - row[-1].end < 1e-3:
             row[-1].end = span.end
             row[-1].detail = _merged(row[-1].detail, span.detail)
+            row[-1].inner += span.inner
         elif row and span.end - span.start < min_width and span.start - row[-1].end < 1e-3:
             row[-1].end = span.end  # too narrow to see: its neighbour takes it (totals are exact elsewhere)
         else:
@@ -96,9 +99,9 @@ def goodput_layer(gp: Goodput, t0: float, min_width: float) -> GoodputLayer:
 
 def _merged(first: str, last: str) -> str:
     """The detail of two merged spans: ``step 3`` and ``step 9`` make ``steps 3-9``."""
-    if first.startswith("step") and last.startswith("step "):
+    if first.startswith("step") and last.startswith("step"):
         low = first.split()[1].split("-")[0].rstrip(",")
-        high = last.split()[1].rstrip(",")
+        high = last.split()[1].split("-")[-1].rstrip(",")
         return f"steps {low}-{high}"
     return first if first == last else first
 
@@ -109,7 +112,8 @@ def span_tip(span: CauseSpan, lane_label: str, faults: list[FaultCost]) -> str:
     why = f"\ncaused by fault {fault.index + 1}: {fault.label} at {fault.t:.2f} s" if fault else ""
     return (f"{lane_label}, worker slot {span.slot}: {CAUSE_LABELS.get(span.cause, span.cause)}\n"
             f"{span.start:.2f} s to {span.end:.2f} s ({span.end - span.start:.2f} s)"
-            + (f"\n{span.detail}" if span.detail else "") + why)
+            + (f"\n{span.detail}" if span.detail else "")
+            + (f"\nof which {span.inner:.2f} s in commit()" if span.inner >= 0.005 else "") + why)
 
 
 def cost_text(f: FaultCost) -> str:

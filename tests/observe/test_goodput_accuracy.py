@@ -52,6 +52,7 @@ class Job:
         self.port = free_port()
         self.injections: list[Injection] = []
         self.cluster = Cluster(tmp)
+        self._detected: dict[int, float] | None = None
 
     def flags(self) -> list[str]:
         return ["--nnodes=2:3", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}",
@@ -126,7 +127,9 @@ class Job:
         self.injections.append(Injection(kind, t, pids))
 
     def detections(self) -> dict[int, float]:
-        """When an agent first knew of each injection (the join's time becomes that moment)."""
+        """When an agent first knew of each injection (the join's time becomes that moment; read once)."""
+        if self._detected is not None:
+            return self._detected
         events = read_log_dir(self.log_dir)
         out = {}
         for i, inj in enumerate(self.injections):
@@ -136,6 +139,7 @@ class Job:
             out[i] = min(seen)
             if inj.kind == "join":
                 inj.t = out[i]  # a join is no fault in the workers' time line: it costs from its detection
+        self._detected = out
         return out
 
 
