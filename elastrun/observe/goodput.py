@@ -264,10 +264,10 @@ def _last_end(logs: dict[tuple[str, Any], ProcessLog], node: str | None, before:
 
 def _describe(index: int, rnd: int | None, ends: list[tuple[_Node, _Group]], lost_in: dict[str, tuple[int, str]],
               nodes: dict[str, _Node], logs: dict[tuple[str, Any], ProcessLog]) -> Fault:
-    detections = [g.end for n, g in ends if g.end is not None and n.node not in lost_in]
+    lost = [n for n, g in ends if n.node in lost_in and lost_in[n.node][0] == rnd]
+    detections = [g.end for n, g in ends if g.end is not None and n not in lost]
     detected = min(detections) if detections else max(n.last_seen for n, _ in ends)
     window = [(n, e) for n, g in ends for e in n.events if g.closed <= float(e["ts"]) <= _next_closed(n, g)]
-    lost = [n for n, g in ends if n.node in lost_in and lost_in[n.node][0] == rnd]
 
     def host(name: str) -> str:
         start = next((e for e in nodes[name].events if e.get("event") == "agent_start"), {})
@@ -409,15 +409,23 @@ def _run_spans(node: _Node, g: _Group, run: _Run, stop: float, pre: str, pre_fau
         "re-forming or restarting the workers")
     cursor = recs[0].t0
     block: list | None = None  # kept steps back to back: [start, end, commit seconds, first step, last step]
+    # From the fault on, a slot's time belongs to the fault: a step that a hung peer held up, then
+    # finished, spent that time waiting on the hang, whatever happened to the step afterwards.
+    limit = min(stop, fault.at) if fault is not None and g.how != "ok" else stop
+
+    def rec(a: float, b: float, cause: str, fault: Fault | None = None, detail: str = "", inner: float = 0.0) -> None:
+        add(a, min(b, limit), cause, fault, detail, inner)
 
     def flush() -> None:
         nonlocal block
         if block is not None:
             what = f"step {block[3]}" if block[3] == block[4] else f"steps {block[3]}-{block[4]}"
-            add(block[0], block[1], "good", detail=what, inner=block[2])
+            rec(block[0], block[1], "good", detail=what, inner=block[2])
             block = None
 
     for r in recs:
+        if r.t0 >= limit:
+            break
         if r.t0 > cursor + 1e-6:
             flush()
             add(cursor, r.t0, "unknown", detail="between records")
@@ -431,12 +439,12 @@ def _run_spans(node: _Node, g: _Group, run: _Run, stop: float, pre: str, pre_fau
         else:
             flush()
             if r.kind == RESTORE:
-                add(r.t0, r.t1, "restore", pre_fault, f"from {r.source or 'fresh-start'} to step {r.step}")
+                rec(r.t0, r.t1, "restore", pre_fault, f"from {r.source or 'fresh-start'} to step {r.step}")
             elif r.kind == BLOCKED:
-                add(r.t0, r.t1, "commit", detail="checkpoint() or flush()")
+                rec(r.t0, r.t1, "commit", detail="checkpoint() or flush()")
             elif r.kind == STEP:
-                add(r.t0, r.t2, "redone", by if isinstance(by, Fault) else None, f"step {r.step}, rolled back")
-        cursor = max(cursor, r.end)
+                rec(r.t0, r.t2, "redone", by if isinstance(by, Fault) else None, f"step {r.step}, rolled back")
+        cursor = min(max(cursor, r.end), limit)
     flush()
     if g.how == "ok":
         add(cursor, stop, "idle", detail="after the last step: the script's end")

@@ -69,13 +69,20 @@ def truth(procs: dict[int, Proc], injections: list[Injection], detected: dict[in
     """
     redone = {(pid, n, t0) for pid, n, t0, _ in _redone(procs)}
     out = {"good": 0.0, "commit": 0.0, "redone": 0.0, "restore": 0.0, "detection": 0.0, "hang": 0.0}
+    # A worker's time between a fault and its detection is the fault's (hang or detection), even
+    # inside a step that a stopped peer held up and let finish later.
+    windows = [(inj.t, detected[i]) for i, inj in enumerate(injections) if detected[i] > inj.t]
+
+    def outside(a: float, b: float) -> float:
+        return (b - a) - sum(max(0.0, min(b, w1) - max(a, w0)) for w0, w1 in windows)
+
     for p in procs.values():
         for n, t0, t1, t2 in p.steps:
             if (p.pid, n, t0) in redone:
-                out["redone"] += t2 - t0
+                out["redone"] += outside(t0, t2)
             else:
-                out["good"] += t1 - t0
-                out["commit"] += t2 - t1
+                out["good"] += outside(t0, t1)
+                out["commit"] += outside(t1, t2)
         out["restore"] += sum(b - a for a, b in p.restores)
     for i, inj in enumerate(injections):
         alive = [p for p in procs.values() if p.steps and p.steps[0][1] < inj.t and _alive_at(p, inj.t)]
