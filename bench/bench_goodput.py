@@ -3,7 +3,8 @@
 One node, 2 workers (``--standalone``), bench/reform_workload.py (an MLP trained with
 elastrun.train, memory snapshots every step: under torchrun too, whose restarts find them in
 /dev/shm).  From the first step on, every ``--every`` seconds a worker is SIGKILLed (ranks 1, 0,
-1, ...); after ``--minutes`` the job is stopped.  Goodput is measured for every variant the same
+1, ...; a fault that falls due while the workers are still recovering strikes as soon as they
+step); after ``--minutes`` the job is stopped.  Goodput is measured for every variant the same
 way, from the workload's own step log: the kept steps' time over 2 workers x the wall time from
 the launch to the stop (bench/goodput_steps.py).  For elastrun, ``elastrun goodput`` on its log
 directory is printed beside it (its window is the agent's life, so it differs a little).
@@ -38,9 +39,16 @@ VARIANTS = {
 }
 
 
-def _latest_worker(trial: Trial, rank: int) -> int | None:
-    steps = [e for e in trial.events() if e["ev"] == "step" and e["rank"] == rank]
-    return steps[-1]["pid"] if steps else None
+def _stepping_worker(trial: Trial, rank: int, after: float) -> int | None:
+    """The live process of ``rank`` that has stepped since ``after`` (None while a restart is under way)."""
+    steps = [e for e in trial.events() if e["ev"] == "step" and e["rank"] == rank and e["t"] > after]
+    if not steps:
+        return None
+    try:
+        os.kill(steps[-1]["pid"], 0)
+    except ProcessLookupError:
+        return None
+    return steps[-1]["pid"]
 
 
 def run_variant(name: str, minutes: float, every: float, size_m: int) -> dict:
@@ -60,21 +68,24 @@ def run_variant(name: str, minutes: float, every: float, size_m: int) -> dict:
         if first is None:
             log(f"{name}: never stepped\n{trial.output()}")
             return {"variant": name, "label": label, "error": "never stepped"}
-        faults = 0
-        next_fault = first + every
-        while time.time() < stop_at:
-            time.sleep(max(0.0, min(next_fault, stop_at) - time.time()))
-            if time.time() >= stop_at:
+        faults, last = 0, 0.0
+        due = first + every
+        while due < stop_at:
+            time.sleep(max(0.0, due - time.time()))
+            # Due: strike the rank's worker as soon as it steps (a restart may still be under way), so
+            # every launcher gets the same faults; a slower recovery only delays the next strike.
+            rank = 1 if faults % 2 == 0 else 0
+            pid = wait_for(lambda r=rank, a=last: _stepping_worker(trial, r, a), max(0.0, stop_at - time.time()))
+            if pid is None:
                 break
-            pid = _latest_worker(trial, 1 if faults % 2 == 0 else 0)
-            if pid is not None:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    faults += 1
-                    log(f"{name}: fault {faults}: SIGKILL pid {pid} at {time.time() - launched:.1f} s")
-                except ProcessLookupError:
-                    pass
-            next_fault += every
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            faults, last = faults + 1, time.time()
+            log(f"{name}: fault {faults}: SIGKILL rank {rank} (pid {pid}) at {last - launched:.1f} s")
+            due = max(due + every, last)
+        time.sleep(max(0.0, stop_at - time.time()))
         ended = time.time()
         events = trial.events()
         got = from_workload(events, 2, launched, ended)
