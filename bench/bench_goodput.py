@@ -77,6 +77,8 @@ def run_variant(name: str, minutes: float, every: float, size_m: int) -> dict:
             rank = 1 if faults % 2 == 0 else 0
             pid = wait_for(lambda r=rank, a=last: _stepping_worker(trial, r, a), max(0.0, stop_at - time.time()))
             if pid is None:
+                log(f"{name}: rank {rank} did not step again before the end; the launcher's output:\n"
+                    f"{trial.output()[-2500:]}")
                 break
             try:
                 os.kill(pid, signal.SIGKILL)
