@@ -51,21 +51,23 @@ def _fault_name(gp: Goodput, index: int | None) -> str:
     return f"{f.label} at {f.at - gp.start:.0f} s"
 
 
-def top_causes(gp: Goodput, count: int = 3) -> list[tuple[str, float, int | None]]:
-    """The largest badput causes: (cause, device-seconds, index of the fault that caused most of it)."""
+def top_causes(gp: Goodput, count: int = 3) -> list[tuple[str, float, int | None, float]]:
+    """The largest badput causes: (cause, device-seconds, the fault that caused most of it, its seconds)."""
     ranked = sorted(((c, s) for c, s in gp.badput.items() if s >= 0.05), key=lambda cs: -cs[1])[:count]
     out = []
     for cause, seconds in ranked:
-        by = max(((f.cost.get(cause, 0.0), f.index) for f in gp.faults), default=(0.0, None))
-        out.append((cause, seconds, by[1] if by[0] >= 0.5 * seconds else None))
+        part, index = max(((f.cost.get(cause, 0.0), f.index) for f in gp.faults), default=(0.0, None))
+        out.append((cause, seconds, index if part >= 0.05 else None, part))
     return out
 
 
 def summary_line(gp: Goodput) -> str:
     """One line: goodput in %, then the top badput causes in seconds, each with the fault behind it.
 
-    ``goodput 96.8 % of 4 workers x 120.0 s (wall 97.1 %); badput 15.4 worker-s: redone steps 8.1 s
-    (rank 1 killed by SIGKILL at 35 s), restart/re-form 4.2 s (node host-b (pid 7) lost at 80 s), ...``
+    ``goodput 53.5 % of 3 worker(s) x 23.8 s (wall 50.6 %); badput 23.7 worker-s, 4 fault(s): rendezvous
+    6.6 s, hang 6.2 s (rank 2 hung at 16 s), restart/re-form 5.0 s (of which 2.2 s from 1 node(s) joined
+    at 13 s)``: a cause that no fault caused half of names the fault with the largest part of it when
+    that part is a fifth or more; the rest is the job's own start and end.
     """
     if gp.basis == "none":
         return (f"goodput not measured: the workers send neither step records (elastrun.train) nor heartbeats "
@@ -74,8 +76,10 @@ def summary_line(gp: Goodput) -> str:
             + (" from heartbeats only: redone steps unknown" if gp.basis == "heartbeats" else ""))
     bad = gp.device_seconds - gp.good
     parts = []
-    for cause, seconds, fault in top_causes(gp):
+    for cause, seconds, fault, part in top_causes(gp):
         name = _fault_name(gp, fault)
+        if name and part < 0.5 * seconds:  # spread over faults, or mostly the job's own start and end
+            name = f"of which {part:.1f} s from {name}" if part >= 0.2 * seconds else ""
         parts.append(f"{SHORT[cause]} {seconds:.1f} s" + (f" ({name})" if name else ""))
     if not parts:
         return head + "; no badput"
