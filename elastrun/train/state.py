@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from elastrun.inworker.heartbeat import heartbeat
 from elastrun.observe import steplog
 from elastrun.train import dist as edist
 from elastrun.train import notes, reform, rng
@@ -41,11 +42,12 @@ from elastrun.train.blob import copy_into, flatten, make_header, materialize
 from elastrun.train.checkpoint import CheckpointCorrupt, CheckpointDir, DiskCandidate
 from elastrun.train.copier import SnapshotCopy
 from elastrun.train.plan import Plan, Report, make_plan
+from elastrun.train.reformable import Reformable
 from elastrun.train.sampler import ElasticSampler
 from elastrun.train.snapshot import RNG_KEEP, MemorySnapshots, SlotInfo
-from elastrun.workers.heartbeat import heartbeat
 
-_RESERVED = {"step", "commit", "restore", "checkpoint", "flush", "close", "extras", "preempted", "last_restore"}
+_RESERVED = {"step", "commit", "restore", "checkpoint", "flush", "close", "extras", "preempted", "last_restore",
+             "live_step", "rebind"}
 
 
 @dataclass
@@ -85,7 +87,7 @@ def _snapshot_dir(explicit: str | Path | None) -> tuple[Path, bool]:
     return Path(tempfile.mkdtemp(prefix="elastrun-snap-", dir=base)), True
 
 
-class State:
+class State(Reformable):
     """Everything a training job must get back after a crash, a restart or a resize.
 
     ``model`` (plain or DDP-wrapped), ``optimizer`` and ``sampler`` are saved with their
@@ -248,7 +250,7 @@ class State:
             self._live = _Live(self.step, self._world_size, payload, self._aux())
             self._dirty = False
 
-    def _live_step(self) -> int | None:
+    def live_step(self) -> int | None:
         """The committed step this process's objects can roll back to without a copy, or None (torn)."""
         if self._live is None or self._dirty:
             return None
@@ -273,7 +275,7 @@ class State:
                     b.copy_(saved)
         self.step = live.step
 
-    def _rebind(self) -> None:
+    def rebind(self) -> None:
         """Take the rank and world size of the new process group (after a re-form)."""
         self._rank, self._world_size, self._local_rank = _world()
 
@@ -424,7 +426,7 @@ class State:
         slots = {i.step: i for i in self._mem.scan()}
         disk = {c.step: c for c in self._ckpt.scan(warn=self._rank == 0)} if self._ckpt else {}
         mem_rng = self._mem.scan_rng()
-        live = self._live_step()
+        live = self.live_step()
         if live is not None:  # this rank's own RNG states of its live step, held in memory
             mem_rng[self._rank] = sorted({*mem_rng.get(self._rank, ()), live})
         report = Report(
@@ -490,7 +492,7 @@ class State:
 
     def _fetch(self, plan: Plan, slots: dict[int, SlotInfo], disk: dict[int, DiskCandidate]) -> Any:
         """The state tree of ``plan.step`` on this rank, ``_USE_LIVE``, or None when it could not be read."""
-        live = self._live_step() == plan.step
+        live = self.live_step() == plan.step
         if plan.source in ("memory", "live"):
             if live:
                 return _USE_LIVE
@@ -530,7 +532,7 @@ class State:
     def _restore_rng(self, plan: Plan, disk: dict[int, DiskCandidate]) -> None:
         """Gather each rank's RNG state from whoever holds it, then apply (or derive) it."""
         mine: dict[int, bytes] = {}
-        live = self._live if self._live_step() == plan.step else None
+        live = self._live if self.live_step() == plan.step else None
         for k, holder in plan.rng_holders.items():
             if holder != self._rank:
                 continue
@@ -562,7 +564,7 @@ class State:
         # uninterrupted run does that at the start of an epoch only, so mid-epoch the restored
         # states are applied after the new iterator has drawn, just before its first batch.
         if self._sampler is not None and self._sampler.position > 0:
-            self._sampler._before_first_batch = apply
+            self._sampler.before_first_batch(apply)
         else:
             apply()
 
