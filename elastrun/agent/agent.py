@@ -140,6 +140,7 @@ class LocalAgent:
         from elastrun.observe import start_observability
 
         observability = start_observability(self.config, self.report.events)
+        observability.goodput.add_step_dir(self.runtime.log_dir)  # the workers' step records without --log-dir
         self.report.agent_start(os.getpid())
         code, reason = 1, ""
         try:
@@ -155,8 +156,9 @@ class LocalAgent:
             except Exception as exc:
                 self.report.detail(f"rendezvous close failed: {exc}")
             self.starter.close()
+            # Before the runtime goes: without --log-dir the workers' step records live in its directory.
+            self.report.agent_exit(code, reason, observability.goodput.summary_line() if self.result else None)
             self.runtime.close()
-            self.report.agent_exit(code, reason)
             observability.close(self.report.events)
             self.report.close()
             for sig, handler in previous.items():

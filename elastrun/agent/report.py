@@ -46,9 +46,11 @@ class AgentReport:
         self.events.emit("agent_start", run_id=c.run_id, backend=c.rdzv_backend, min_nodes=c.min_nodes,
                          max_nodes=c.max_nodes, nproc=c.nproc_per_node, pid=pid, hostname=self.hostname)
 
-    def agent_exit(self, code: int, reason: str) -> None:
-        """The agent's last word: its exit code and why (an end-of-job summary goes here)."""
+    def agent_exit(self, code: int, reason: str, goodput: str | None = None) -> None:
+        """The agent's last word: its exit code and why, then this node's goodput line (once workers ran)."""
         self.events.emit("agent_exit", exitcode=code, reason=reason)
+        if goodput:
+            self.console.info(goodput)
 
     def close(self) -> None:
         self.events.close()

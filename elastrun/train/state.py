@@ -26,6 +26,7 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from elastrun.inworker.heartbeat import heartbeat
+from elastrun.observe import steplog
 from elastrun.train import dist as edist
 from elastrun.train import notes, reform, rng
 from elastrun.train.background import BackgroundJob
@@ -162,6 +164,7 @@ class State(Reformable):
         #: What the last ``restore()`` returned on this rank (None: nothing restored yet, or a fresh start).
         self.last_restore: str | None = None
         self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) if optimizer else None
+        self._steplog = steplog.writer()  # when each step ran and was committed, for goodput
         if handle_signals:
             self._install_signal_handler()
         atexit.register(self.close)
@@ -298,8 +301,10 @@ class State(Reformable):
         Cheap on the training thread; on pre-emption (SIGTERM) it makes a durable checkpoint of
         this step on every rank and then exits this process with status 0.
         """
+        entered = time.time()
         with reform.section():
             self._commit()
+            self._steplog.step(self.step, entered)  # inside: a re-form raised on leaving must not lose it
 
     def _commit(self) -> None:
         self._drain()
@@ -395,6 +400,7 @@ class State(Reformable):
         must call it, e.g. at the end of training)."""
         if self._ckpt is None:
             raise RuntimeError("State.checkpoint() needs a checkpoint_dir")
+        began = time.time()
         self._drain()
         self._persister.wait()
         if self._writes_shared and not any(i.step == self.step for i in self._mem.scan()):
@@ -409,11 +415,14 @@ class State(Reformable):
             ckpt, step, rank = self._ckpt, self.step, self._rank
             self._persister.submit(lambda: ckpt.write_rng(step, rank, payload))
         self._persister.wait()
+        self._steplog.blocked(began)
 
     def flush(self) -> None:
         """Block until the last commit's memory snapshot (and any durable checkpoint) is written."""
+        began = time.time()
         self._drain()
         self._persister.wait()
+        self._steplog.blocked(began)
 
     # -- restore ---------------------------------------------------------------------------------
     def _report(self) -> tuple[Report, dict[int, SlotInfo], dict[int, DiskCandidate]]:
@@ -441,8 +450,10 @@ class State(Reformable):
         ``elastrun.train.run`` only): this process's own objects, rolled back without a copy.
         Collective: every rank must call it.
         """
+        began = time.time()
         with reform.section():
             self.last_restore = self._restore()
+            self._steplog.restored(began, self.step, self.last_restore)
         return self.last_restore
 
     def _restore(self) -> str | None:
