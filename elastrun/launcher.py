@@ -114,15 +114,18 @@ def run(config: LaunchConfig) -> int:
     except BaseException:
         starter.close()
         raise
+    # torch.distributed now, before this node joins a round (c10d imported it already, for its store;
+    # after the handler, so that a bad token or endpoint is still refused at once): the agent of group
+    # rank 0 starts the workers' TCPStore inside the round, and importing a CUDA build of torch there
+    # holds the GIL for up to ~2 s at a stretch on a busy machine (torch 2.3.1's wheel), which starved
+    # the etcd lease and heartbeat threads: peers took the closer for dead and formed a round without it.
+    import torch.distributed  # noqa: F401
+
     from elastrun.agent.agent import LocalAgent
 
     agent = LocalAgent(config, handler, starter, base_env=base_env)
 
-    def rendezvous_warning(message: str, fields: dict[str, Any]) -> None:
-        log.get("rendezvous").warning(message)
-        agent.events.emit("rendezvous_warning", message=message, **fields)
-
-    handler.on_warning = rendezvous_warning
+    handler.on_warning = agent.report.rendezvous_warning
     return agent.run()
 
 
@@ -144,9 +147,8 @@ def launch(config: LaunchConfig, entrypoint: Callable[..., Any] | str, *args: An
         return {r: None for r in range(config.nproc_per_node)}
     with tempfile.TemporaryDirectory(prefix="elastrun-launch-") as tmp:
         call_file = Path(tmp) / "call.pkl"
-        job = dataclasses.replace(
-            config, module=True, no_python=False, entrypoint="elastrun.workers.run_function", args=[str(call_file), tmp]
-        )
+        job = dataclasses.replace(config, module=True, no_python=False, entrypoint="elastrun.inworker.run_function",
+                                  args=[str(call_file), tmp])
         check(job)
         with open(call_file, "wb") as fh:
             pickle.dump((entrypoint.__module__, entrypoint.__qualname__, args, _main_path()), fh)

@@ -46,6 +46,7 @@ EVENT_KINDS: dict[str, str] = {
         "round, duration (s from the change to every kept worker re-formed), paused_in, kept, restarted (local "
         "ranks), sources, step"
     ),
+    "reform_fallback": "rank, local_rank, pid, cause (why a worker that opted in is restarted instead of kept)",
     "signal": "signal, action, grace",
     "job_failed": "reason, exitcode",
     "rendezvous_warning": "message, kind (e.g. forged_value), key, why",
@@ -86,8 +87,11 @@ class EventLog:
             if self._file is not None:
                 self._file.write(line + "\n")
             if self._stream is not None:
-                self._stream.write(line + "\n")
-                self._stream.flush()
+                try:
+                    self._stream.write(line + "\n")
+                    self._stream.flush()
+                except (OSError, ValueError):  # the reader went away (`elastrun ... | head`): the job goes on
+                    self._stream = None
         for listener in list(self._listeners):
             try:
                 listener(record)

@@ -39,7 +39,13 @@ from elastrun.rendezvous.api import (
     RoundResult,
 )
 from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth, load_token
-from elastrun.rendezvous.endpoint import host_worker_store, is_local_host, route_address, split_endpoint
+from elastrun.rendezvous.endpoint import (
+    host_worker_store,
+    is_local_host,
+    route_address,
+    split_endpoint,
+    torch_at_least,
+)
 from elastrun.rendezvous.keepalive import Heartbeat, RingWatch
 from elastrun.rendezvous.link import Link, Wakeup, listen_for_watchers, ring_successor
 from elastrun.rendezvous.rounds import (
@@ -93,6 +99,11 @@ _RESCUERS = 8
 _STUCK_CLOSER_TIMEOUTS = 4.0
 #: How long a closer waits for a joiner's info after the round closed before leaving it out.
 _SLOT_WAIT = 5.0
+#: Rounds whose keys stay in the store behind the one being closed; the closer deletes older ones.
+KEEP_ROUNDS = 8
+#: The keys of a round besides its join slots and its per-node markers (docs/rendezvous-protocol.md).
+_ROUND_KEYS = ("joined", "rejoined", "closed", "result", "store", "signal", "gone", "gone_list", "fail_list",
+               "grown", "done", "done_list")
 #: How long members wait for group rank 0 to publish the workers' store before giving up on it.
 _STORE_WAIT = 15.0
 #: What :meth:`StoreRendezvousHandler._peek` compares with: no value the protocol writes equals it.
@@ -154,7 +165,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._auth = self._authenticate(token)
         self._auth.on_forged = self._report_forged
         self._prefix = self._auth.prefix
-        self._hb_store = self._store.clone()
+        self._hb_store = self._second_connection()
         self._node: NodeInfo | None = None
         self._round: int | None = None
         self._result: RoundResult | None = None
@@ -192,8 +203,9 @@ class StoreRendezvousHandler(RendezvousHandler):
             is_host = is_local_host(host)
         if is_host:
             try:
+                # torch 2.3's libuv server (experimental there) kills its clients' agents: the classic one.
                 self._server = dist.TCPStore(
-                    host, port, is_master=True, wait_for_workers=False, use_libuv=True, timeout=timeout
+                    host, port, is_master=True, wait_for_workers=False, use_libuv=torch_at_least(2, 4), timeout=timeout
                 )
                 self.store_port = self._server.port
                 return self._server
@@ -218,6 +230,18 @@ class StoreRendezvousHandler(RendezvousHandler):
             f"could not reach the rendezvous store at {host}:{port} within {self.join_timeout:g} s "
             f"(join_timeout): is the agent on {host} running and is --rdzv-endpoint right? last error: {last_error}"
         )
+
+    def _second_connection(self):
+        """Another client connection to the store, for the heartbeat thread (a client is not
+        shared between threads).  ``Store.clone()`` where torch has it (2.5+); before, a new client."""
+        if hasattr(self._store, "clone"):
+            return self._store.clone()
+        import torch.distributed as dist
+
+        store = dist.TCPStore(self.store_host, self.store_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=_CONNECT_WAIT))
+        store.set_timeout(datetime.timedelta(seconds=float(self.conf["read_timeout"])))
+        return store
 
     def _authenticate(self, token: JobToken) -> JobAuth | NoAuth:
         """Publish (store host) or read (others) the job's ``auth`` marker and check this node's token.
@@ -662,6 +686,33 @@ class StoreRendezvousHandler(RendezvousHandler):
         if abort is not None:
             self._put(self._k("abort_code"), str(abort_code))
             self._put(self._k("abort"), abort)
+        else:
+            gone = [n for n in lost if causes.get(n) in ("link", "silence")]
+            threading.Thread(target=self._prune, args=(round_ - KEEP_ROUNDS, gone), name="elastrun-prune",
+                             daemon=True).start()
+
+    def _prune(self, old: int, gone: list[str]) -> None:
+        """Delete the keys of round ``old`` and the heartbeat keys of the nodes in ``gone`` (lost
+        without leaving: their agent could not delete its own), so that the store holds a bounded
+        number of keys however many rounds a job goes through.  Run by the closer on a thread of its
+        own with a connection of its own, off the round's path; a failure only leaves keys behind."""
+        try:
+            store = self._second_connection()
+            for node_id in gone:
+                store.delete_key(self._k("hb", node_id))
+            if old < 0:
+                return
+            raw = self._read(self._r(old, "result"), store)
+            doc = decode_result(raw) if raw is not None else {}
+            ids = [m["node_id"] for m in doc.get("members", [])]
+            joined = self._count(self._r(old, "joined"), store)
+            keys = [self._r(old, "node", i) for i in range(1, joined + 1)]
+            keys += [self._r(old, kind, n) for n in ids for kind in ("dead", "fail")]
+            keys += [self._r(old, k) for k in _ROUND_KEYS]
+            for key in keys:
+                store.delete_key(key)
+        except Exception:  # the store is going away (the job ends): nothing to keep bounded any more
+            pass
 
     def _await_value(self, key: str, deadline: float, give_up: float | None = None) -> str | None:
         """Block until an authentic value is under ``key``; None once ``give_up`` (monotonic) passes."""
