@@ -12,14 +12,20 @@ import time
 import pytest
 
 from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
+from elastrun.rendezvous import c10d, seats
 from elastrun.rendezvous.c10d import create_handler
+from elastrun.rendezvous.store_status import read_store_status
 from tests.harness import base_env, free_port
 
 NODES = 24
 
 
+@pytest.mark.parametrize("seated", [False, True], ids=["full-list", "seated"])
 @pytest.mark.parametrize("token", [False, True], ids=["plain", "token"])
-def test_a_round_with_many_nodes_is_consistent(token, monkeypatch):
+def test_a_round_with_many_nodes_is_consistent(token, seated, monkeypatch):
+    if seated:  # the layout of a round of more than 64 members (seats.py), at a size that fits a test
+        monkeypatch.setattr(c10d, "FULL_LIST_MAX", 8)
+        monkeypatch.setattr(seats, "PART_ROWS", 5)
     if token:
         monkeypatch.setenv("ELASTRUN_JOB_TOKEN", "many-nodes-0123456789abcdef0123456789")
     else:
@@ -47,9 +53,24 @@ def test_a_round_with_many_nodes_is_consistent(token, monkeypatch):
         assert {(r.round, r.generation, r.group_world_size, r.world_size) for r in views} == {(0, 0, NODES, 2 * NODES)}
         assert sorted(r.rank_offset for r in views) == list(range(0, 2 * NODES, 2))
         assert len({(r.store_addr, r.store_port) for r in views}) == 1
+        # A member of a seated round knows itself and its ring successor; of a small round, everyone.
+        by_rank = {r.group_rank: r for r in views}
+        for r in views:
+            known = [m.group_rank for m in r.members]
+            assert known == (sorted({r.group_rank, (r.group_rank + 1) % NODES}) if seated else list(range(NODES)))
+        # The status reader lists every member, from the parts of a seated round.
+        status = read_store_status(handlers[0]._store, "many", auth=handlers[0]._auth)
+        assert [n["group_rank"] for n in status["nodes"]] == list(range(NODES))
+        assert status["world_size"] == 2 * NODES and status["state"] == "running"
         # A node leaves: every other member's poll reports it (bounded wait).
         leaver = 5
         handlers[leaver].leave("test")
+        # Its ring predecessor now watches the node after it (a seated ring walks on, seat by seat).
+        rank = results[leaver].group_rank
+        pred = next(i for i, r in results.items() if r.group_rank == (rank - 1) % NODES)
+        after = by_rank[(rank + 1) % NODES]
+        target = handlers[pred]._ring_target(handlers[pred]._round, handlers[pred]._roster, handlers[pred]._store)
+        assert target is not None and target.group_rank == after.group_rank
         told: set[int] = set()
         deadline = time.monotonic() + 10
         while len(told) < NODES - 1 and time.monotonic() < deadline:

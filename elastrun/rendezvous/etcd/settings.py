@@ -14,6 +14,7 @@ from typing import Any
 from elastrun.rendezvous import conf
 from elastrun.rendezvous.api import RendezvousConfigError, RendezvousParameters
 from elastrun.rendezvous.endpoint import split_endpoint
+from elastrun.rendezvous.waiting import DEFAULT_INTERVAL as DEFAULT_WAIT_REPORT
 
 #: ``--rdzv-conf`` keys of the etcd backend, with defaults.
 CONFIG_KEYS: dict[str, conf.Key] = {
@@ -24,6 +25,7 @@ CONFIG_KEYS: dict[str, conf.Key] = {
     "request_timeout": conf.Key("seconds", 3.0),
     "outage_timeout": conf.Key("seconds", 600.0),
     "job_ttl": conf.Key("seconds", 600.0),
+    "wait_report_interval": conf.Key("seconds", DEFAULT_WAIT_REPORT),
     **{name: conf.Key("text") for name in ("protocol", "ca_cert", "client_cert", "client_key")},
     **{name: conf.Key("text") for name in ("username", "password", "password_file", "token_file")},
 }
