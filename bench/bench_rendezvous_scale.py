@@ -409,8 +409,12 @@ def _wire_bytes() -> int | None:
     of it is the bench's: the round's store traffic); None elsewhere (other traffic shares it)."""
     if not os.environ.get("ELASTRUN_BENCH_NETNS"):
         return None
-    with open("/sys/class/net/lo/statistics/tx_bytes") as f:
-        return int(f.read())
+    with open("/proc/net/dev") as f:  # this namespace's (sysfs shows the one it was mounted in)
+        for line in f:
+            name, _, counters = line.partition(":")
+            if name.strip() == "lo":
+                return int(counters.split()[8])  # bytes transmitted
+    return None
 
 
 def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_every: int, ids: str = "bench") -> dict:
@@ -453,7 +457,8 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
         go = time.time()
         tell(children, "go")
         done = read_lines(children)
-        wire_round = None if wire_go is None else _wire_bytes() - wire_go
+        wire_end = _wire_bytes()
+        wire_round = None if wire_go is None or wire_end is None else wire_end - wire_go
         if sum(d.get("joined", 0) for d in done) != nodes:
             raise RuntimeError(f"round incomplete: {[{k: d.get(k) for k in ('joined', 'errors')} for d in done]}")
         ranks = sorted(r for d in done for r in d["ranks"])

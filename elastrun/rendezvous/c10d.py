@@ -202,6 +202,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         if is_host is None:
             is_host = is_local_host(host)
         if is_host:
+            self._allow_connections(2 * self.max_nodes + 256)
             try:
                 self._server = dist.TCPStore(
                     host, port, is_master=True, wait_for_workers=False, use_libuv=True, timeout=timeout
@@ -239,6 +240,24 @@ class StoreRendezvousHandler(RendezvousHandler):
             f"(join_timeout): is the agent on {host} running and is --rdzv-endpoint right? last error: "
             f"{str(last_error).strip().splitlines()[0] if str(last_error).strip() else type(last_error).__name__}"
         )
+
+    def _allow_connections(self, needed: int) -> None:
+        """Let this process hold ``needed`` descriptors: the job's store keeps two connections per node,
+        and the usual soft limit (1,024) would refuse the connections of a job past ~500 nodes."""
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft >= needed:
+            return
+        wanted = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+        except (ValueError, OSError):
+            wanted = soft
+        if wanted < needed:
+            self.warn(f"this agent hosts the rendezvous store of up to {self.max_nodes} nodes (2 connections each), "
+                      f"but may open only {wanted} files (RLIMIT_NOFILE); raise the limit (ulimit -n) or nodes past "
+                      f"about {max(0, wanted - 256) // 2} cannot connect", kind="open_files", limit=wanted)
 
     def _wait_report(self) -> WaitReport:
         """A new wait's reporter (:mod:`elastrun.rendezvous.waiting`)."""

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
 from elastrun.rendezvous import c10d, seats
+from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
 from elastrun.rendezvous.c10d import create_handler
 from elastrun.rendezvous.store_status import read_store_status
 from tests.harness import base_env, free_port

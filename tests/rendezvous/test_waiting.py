@@ -50,7 +50,8 @@ def test_a_node_waiting_alone_says_so_at_most_every_interval(tmp_path, agents):
                            "--master-addr=127.0.0.1", f"--master-port={static_port}", f"--rdzv-conf={CONF}"],
                           [str(script)], name="static")
     quiet = agents.start(["-q", *_common(tmp_path, "quiet"), "--rdzv-backend=c10d",
-                          f"--rdzv-endpoint=127.0.0.1:{quiet_port}", f"--rdzv-conf={CONF}"], [str(script)], name="quiet")
+                          f"--rdzv-endpoint=127.0.0.1:{quiet_port}", f"--rdzv-conf={CONF}"], [str(script)],
+                         name="quiet")
     # Not the endpoint's host, and nothing listens there: it waits for the store host to come.
     orphan = agents.start([*_common(tmp_path, "orphan"), "--rdzv-backend=c10d",
                            f"--rdzv-endpoint=127.0.0.1:{absent_port}", f"--rdzv-conf={CONF},is_host=false"],
