@@ -200,8 +200,7 @@ class Registration(HandlerBase):
             # A new incarnation: whatever this agent knew of an older one no longer applies.
             self._round, self._result, self._members = None, None, set()
             if self._watch is not None:
-                self._watch.stop()
-                self._watch = None
+                self._watch.clear()  # its ranges; the stream itself stays open for the new ones
         self._epoch, self._job_lease, self._epoch_rev = epoch_id, job_lease, epoch_rev
         self._quiet_epoch = 0
         self._q = f"{self._p}e/{epoch_id}/"

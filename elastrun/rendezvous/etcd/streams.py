@@ -295,6 +295,13 @@ class WatchSet:
         if old is not None:
             self._stream.cancel(old)
 
+    def clear(self) -> None:
+        """Stop watching every range (the stream stays open); waiters keep their cursors."""
+        with self._lock:
+            old, self._ranges = list(self._ranges.values()), {}
+        for r in old:
+            self._stream.cancel(r)
+
     def ranges(self) -> dict[str, tuple[str, str]]:
         """What is watched now: name -> (key, range end)."""
         with self._lock:
