@@ -15,8 +15,6 @@ total (no compare-and-set storm on a shared blob).
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import functools
 import os
 import threading
 import time
@@ -31,15 +29,14 @@ from elastrun.rendezvous.api import (
     Member,
     NodeInfo,
     RendezvousConfigError,
-    RendezvousConnectionError,
     RendezvousHandler,
     RendezvousParameters,
     RendezvousTimeoutError,
     RoundChange,
     RoundResult,
 )
-from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth, load_token
-from elastrun.rendezvous.endpoint import host_worker_store, is_local_host, route_address, split_endpoint
+from elastrun.rendezvous.auth import JobToken, load_token
+from elastrun.rendezvous.endpoint import host_worker_store, route_address, split_endpoint
 from elastrun.rendezvous.keepalive import Heartbeat, RingWatch
 from elastrun.rendezvous.link import Link, Wakeup, listen_for_watchers
 from elastrun.rendezvous.rounds import (
@@ -63,9 +60,10 @@ from elastrun.rendezvous.seats import (
     read_seat,
     split_result,
 )
+from elastrun.rendezvous.store_client import StoreClient, all_present, store_errors
 from elastrun.rendezvous.store_status import read_job_status
 from elastrun.rendezvous.waiting import DEFAULT_INTERVAL as DEFAULT_WAIT_REPORT
-from elastrun.rendezvous.waiting import NAMED, WaitReport, time_left, waiting_line
+from elastrun.rendezvous.waiting import NAMED, waiting_line
 
 #: ``--rdzv-conf`` keys of the store backends, with defaults.
 CONFIG_KEYS: dict[str, conf.Key] = {
@@ -108,15 +106,6 @@ _STUCK_CLOSER_TIMEOUTS = 4.0
 _SLOT_WAIT = 5.0
 #: How long members wait for group rank 0 to publish the workers' store before giving up on it.
 _STORE_WAIT = 15.0
-#: What :meth:`StoreRendezvousHandler._peek` compares with: no value the protocol writes equals it.
-_ABSENT = "\x00elastrun:absent\x00"
-_ABSENT_BYTES = _ABSENT.encode()
-#: Longest single connection attempt to the job's store.  With thousands of agents connecting at
-#: once some are accepted only after TCP's SYN retries (1, 3, 7, 15 s): a shorter attempt would
-#: give up on a connection about to succeed and start over at the back of the queue.
-_CONNECT_WAIT = 30.0
-
-
 def parse_config(params: RendezvousParameters) -> dict[str, Any]:
     """Typed ``--rdzv-conf`` values; unknown keys are an error that lists the known ones."""
     values = conf.read(params.config, CONFIG_KEYS, params.backend, CONFIG_ALIASES)
@@ -130,24 +119,7 @@ def parse_config(params: RendezvousParameters) -> dict[str, Any]:
     return values
 
 
-def _store_errors(method):
-    """Turn errors of the store client into :class:`RendezvousConnectionError` with an explanation."""
-
-    @functools.wraps(method)
-    def wrapper(self: StoreRendezvousHandler, *args, **kwargs):
-        try:
-            return method(self, *args, **kwargs)
-        except (RendezvousConnectionError, JobFailedError, JobFinishedError, RendezvousTimeoutError):
-            raise
-        except RendezvousConfigError:
-            raise
-        except Exception as exc:
-            raise self.store_lost_error(exc) from exc
-
-    return wrapper
-
-
-class StoreRendezvousHandler(RendezvousHandler):
+class StoreRendezvousHandler(StoreClient):
     """Rendezvous rounds on a ``TCPStore``; see the module docstring and docs/rendezvous-protocol.md."""
 
     backend_name = "c10d"
@@ -193,75 +165,6 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._registered = False
         self._closed = False
 
-    # ------------------------------------------------------------------ store plumbing
-    def _connect(self, host: str, port: int, is_host: bool | None):
-        import torch.distributed as dist
-
-        timeout = datetime.timedelta(seconds=float(self.conf["read_timeout"]))
-        must_host = bool(is_host)
-        if is_host is None:
-            is_host = is_local_host(host)
-        if is_host:
-            self._allow_connections(2 * self.max_nodes + 256)
-            try:
-                self._server = dist.TCPStore(
-                    host, port, is_master=True, wait_for_workers=False, use_libuv=True, timeout=timeout
-                )
-                self.store_port = self._server.port
-                return self._server
-            except Exception as exc:  # port taken: another agent on this host may be the host
-                if must_host or port == 0:
-                    raise RendezvousConnectionError(
-                        f"could not start the rendezvous store on {host}:{port}: {exc}; "
-                        "is the port in use by another job? choose another port"
-                    ) from exc
-        deadline = time.monotonic() + self.join_timeout
-        last_error: Exception | None = None
-        report = self._wait_report()
-
-        def line() -> str | None:
-            if time.monotonic() >= deadline:
-                return None  # the time-out's own message comes next
-            return (f"waiting for the rendezvous store at {host}:{port}: the agent on {host} hosts it (is it started, "
-                    f"and is --rdzv-endpoint right?); {time_left(deadline)}")
-
-        while time.monotonic() < deadline:
-            try:
-                connect_timeout = datetime.timedelta(seconds=max(1.0, min(_CONNECT_WAIT, deadline - time.monotonic())))
-                with report.during(line):  # the client retries a refused connection inside, until its time-out
-                    store = dist.TCPStore(host, port, is_master=False, timeout=connect_timeout)
-                store.set_timeout(timeout)
-                return store
-            except Exception as exc:
-                last_error = exc
-                time.sleep(0.2)
-        raise RendezvousTimeoutError(
-            f"could not reach the rendezvous store at {host}:{port} within {self.join_timeout:g} s "
-            f"(join_timeout): is the agent on {host} running and is --rdzv-endpoint right? last error: "
-            f"{str(last_error).strip().splitlines()[0] if str(last_error).strip() else type(last_error).__name__}"
-        )
-
-    def _allow_connections(self, needed: int) -> None:
-        """Let this process hold ``needed`` descriptors: the job's store keeps two connections per node,
-        and the usual soft limit (1,024) would refuse the connections of a job past ~500 nodes."""
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft >= needed:
-            return
-        wanted = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
-        except (ValueError, OSError):
-            wanted = soft
-        if wanted < needed:
-            self.warn(f"this agent hosts the rendezvous store of up to {self.max_nodes} nodes (2 connections each), "
-                      f"but may open only {wanted} files (RLIMIT_NOFILE); raise the limit (ulimit -n) or nodes past "
-                      f"about {max(0, wanted - 256) // 2} cannot connect", kind="open_files", limit=wanted)
-
-    def _wait_report(self) -> WaitReport:
-        """A new wait's reporter (:mod:`elastrun.rendezvous.waiting`)."""
-        return WaitReport(self.say_waiting, float(self.conf["wait_report_interval"]))
 
     def _waiting_line(self, round_: int, prev: _PrevRound | None, deadline: float) -> str:
         """The line of this node waiting for ``round_`` to close: the joins so far and the first joiners' hosts."""
@@ -273,96 +176,6 @@ class StoreRendezvousHandler(RendezvousHandler):
                 hosts.append(NodeInfo.from_json(info).hostname or NodeInfo.from_json(info).node_id)
         why = "" if prev is None else f"the group of round {round_ - 1} to re-form (its members rejoin or are lost)"
         return waiting_line(round_, joined, self.min_nodes, self.max_nodes, hosts, deadline, why)
-
-    def _authenticate(self, token: JobToken) -> JobAuth | NoAuth:
-        """Publish (store host) or read (others) the job's ``auth`` marker and check this node's token.
-
-        Raises :class:`~elastrun.rendezvous.auth.JobTokenRejected` when the token does not match.
-        """
-        key = token.marker_key()
-        if self._server is not None:
-            marker = self._store.compare_set(key, "", token.new_marker())
-        else:
-            if not self._wait(key, self.join_timeout):
-                raise RendezvousTimeoutError(
-                    f"the rendezvous store at {self.store_host}:{self.store_port} holds no job {self.run_id!r} "
-                    f"after {self.join_timeout:g} s (join_timeout); is --rdzv-id right?"
-                )
-            marker = self._store.get(key)
-        return token.accept(marker, f"{self.store_host}:{self.store_port}")
-
-    def _report_forged(self, key: str, why: str) -> None:
-        self.warn(f"ignored a value in the rendezvous store that is not authentic: {key} ({why})",
-                  kind="forged_value", key=key, why=why)
-
-    def store_lost_error(self, exc: BaseException) -> RendezvousConnectionError:
-        return RendezvousConnectionError(
-            f"lost the rendezvous store at {self.store_host}:{self.store_port} ({exc}). The c10d backend keeps "
-            f"the job's state in the agent on {self.store_host}; that agent is gone, so this job cannot continue. "
-            "Use --rdzv-backend=etcd with an etcd cluster to survive the loss of any node."
-        )
-
-    def _k(self, *parts: object) -> str:
-        return self._prefix + "/".join(str(p) for p in parts)
-
-    def _r(self, round_: int, *parts: object) -> str:
-        return self._k(f"r{round_}", *parts)
-
-    def _count(self, key: str, store=None) -> int:
-        return int((store or self._store).add(key, 0))
-
-    def _exists(self, key: str, store=None) -> bool:
-        return bool((store or self._store).check([key]))
-
-    def _get(self, key: str, store=None) -> bytes:
-        return (store or self._store).get(key)
-
-    def _put(self, key: str, value: str, store=None) -> None:
-        """Write ``value`` under ``key``, sealed with the job token when there is one."""
-        (store or self._store).set(key, self._auth.seal(key, value))
-
-    def _peek(self, key: str, store=None) -> bytes | None:
-        """The raw value under ``key``, or None when it is absent: one store operation, never blocks.
-
-        ``compare_set`` with a sentinel that no value equals answers the current value, or the
-        sentinel itself when the key is absent, and writes nothing (``get`` would block on an
-        absent key, and ``check`` + ``get`` costs two round trips).
-        """
-        raw = (store or self._store).compare_set(key, _ABSENT, _ABSENT)
-        return None if raw == _ABSENT_BYTES else raw
-
-    def _read(self, key: str, store=None) -> str | None:
-        """The authentic value under ``key``, or None when it is absent or not authentic (reported once)."""
-        raw = self._peek(key, store)
-        return None if raw is None else self._auth.open(key, raw)
-
-    def _claim(self, key: str, value: str, store=None) -> tuple[bool, str | None]:
-        """``compare_set`` ``key`` from absent to ``value``: (whether this call won, the authentic value now)."""
-        sealed = self._auth.seal(key, value)
-        raw = (store or self._store).compare_set(key, "", sealed)
-        won = raw == (sealed.encode() if isinstance(sealed, str) else sealed)
-        return won, value if won else self._auth.open(key, raw)
-
-    def _append(self, key: str, line: str, store=None) -> None:
-        (store or self._store).append(key, self._auth.seal_line(key, line))
-
-    def _lines(self, key: str, store=None) -> list[str]:
-        """The authentic lines of the list under ``key`` (empty when absent)."""
-        raw = self._peek(key, store)
-        return [] if raw is None else self._auth.open_lines(key, raw)
-
-    def _wait(self, key: str | list[str], timeout: float) -> bool:
-        """Block until ``key`` (every key of a list) exists or ``timeout`` passes (one store operation)."""
-        keys = [key] if isinstance(key, str) else key
-        if timeout <= 0:
-            return bool(self._store.check(keys))
-        try:
-            self._store.wait(keys, datetime.timedelta(seconds=timeout))
-            return True
-        except Exception as exc:
-            if "timeout" in str(exc).lower():
-                return False
-            raise
 
     # ------------------------------------------------------------------ heartbeats
     def _start_heartbeat(self) -> None:
@@ -461,7 +274,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         return True
 
     # ------------------------------------------------------------------ the round
-    @_store_errors
+    @store_errors
     def next_round(self, node: NodeInfo) -> RoundResult:
         started = time.monotonic()
         deadline = started + self.join_timeout
@@ -702,7 +515,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         else:
             keys = [self._r(round_, "node", i) for i in range(1, size + 1)]
             # A joiner writes its info right after taking its slot; allow a moment for the last ones.
-            if _all_present(self._store, keys, _SLOT_WAIT):
+            if all_present(self._store, keys, _SLOT_WAIT):
                 raw = list(zip(keys, self._store.multi_get(keys), strict=True))
             else:  # a joiner died between taking a slot and filling it: leave it out of the round
                 raw = [(k, self._get(k)) for k in keys if self._exists(k)]
@@ -849,7 +662,7 @@ class StoreRendezvousHandler(RendezvousHandler):
     def wakeup_fileno(self) -> int | None:
         return self._wakeup.fileno()
 
-    @_store_errors
+    @store_errors
     def poll(self) -> RoundChange:
         self._wakeup.clear()
         if self._error is not None:
@@ -889,7 +702,7 @@ class StoreRendezvousHandler(RendezvousHandler):
             self._put(self._r(round_, "grown"), self._node.node_id if self._node else "?")
         return change
 
-    @_store_errors
+    @store_errors
     def report_failure(self, failure: FailureRecord) -> None:
         if self._round is None:
             return
@@ -897,13 +710,13 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._put(self._r(self._round, "fail", failure.node_id), failure.to_json())
         self._append(self._r(self._round, "fail_list"), failure.node_id)
 
-    @_store_errors
+    @store_errors
     def leave(self, reason: str) -> None:
         if self._round is None or self._node is None:
             return
         self._declare_gone(self._round, self._node.node_id, f"left:{reason}")
 
-    @_store_errors
+    @store_errors
     def finish(self, timeout: float) -> bool:
         if self._round is None or self._result is None or self._node is None:
             return True
@@ -1013,7 +826,7 @@ class _Slots:
         """
         unread = [idx for idx in range(1, joined + 1) if idx not in self._infos]
         keys = [handler._r(round_, "node", idx) for idx in unread]
-        if keys and _all_present(handler._store, keys, _SLOT_WAIT if wait else 0.0):
+        if keys and all_present(handler._store, keys, _SLOT_WAIT if wait else 0.0):
             for idx, key, raw in zip(unread, keys, handler._store.multi_get(keys), strict=True):
                 self._accept(handler, idx, key, raw)
             unread, keys = [], []
@@ -1028,22 +841,6 @@ class _Slots:
     def _accept(self, handler: StoreRendezvousHandler, idx: int, key: str, raw: bytes) -> None:
         value = handler._auth.open(key, raw)
         self._infos[idx] = NodeInfo.from_json(value) if value is not None else None
-
-
-def _all_present(store, keys: list[str], timeout: float) -> bool:
-    """Whether every key exists, after waiting up to ``timeout`` s for the last ones (a few
-    operations, where checking slot by slot would be one per key)."""
-    if store.check(keys):
-        return True
-    if timeout <= 0:
-        return False
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except Exception:
-        return False
-    # Checked again: ``multi_get`` blocks for ``read_timeout`` on an absent key, and a ``wait`` has
-    # been seen to return before all its keys were there.
-    return bool(store.check(keys))
 
 
 def validate_params(params: RendezvousParameters) -> None:
