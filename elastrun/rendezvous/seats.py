@@ -221,7 +221,7 @@ class SeatedRoster(Roster):
         self._absent: set[str] = set()
 
     def known(self) -> list[Member]:
-        return sorted(self._members.values(), key=lambda m: m.group_rank)
+        return sorted(list(self._members.values()), key=lambda m: m.group_rank)  # a copy: the beat thread adds
 
     def successor(self, node_id: str, fetch: SeatFetch) -> Member | None:
         if self.size < 2 or not self.is_member(node_id, fetch):
