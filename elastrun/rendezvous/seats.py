@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from elastrun.rendezvous.api import Member, RoundResult
+from elastrun.rendezvous.rounds import member_view
 
 #: Rounds of up to this many members keep every member in the result document.
 FULL_LIST_MAX = 64
@@ -80,8 +81,6 @@ def member_result(round_: int, doc: dict[str, Any], me: Member, roster: Roster, 
                   store_port: int) -> RoundResult:
     """Member ``me``'s :class:`RoundResult` of closed round ``round_`` from its result document or
     header ``doc``; ``members`` is what ``roster`` knows (every member, or this one and its successor)."""
-    from elastrun.rendezvous.rounds import member_view
-
     if not is_seated(doc):
         return member_view(round_, doc, roster.known(), me, store_addr, store_port)
     return RoundResult(
