@@ -3,8 +3,10 @@
 For each client and each launcher, in the same run: start it, wait until it trains, inject the fault
 its test injects (SIGKILL of rank 1's worker; for the TorchElastic-style script a second node joining,
 then that node's agent and workers SIGKILLed), and record the exit code and whether the job came
-through (it resumed from its own checkpoint and reached its last epoch).  Output: a markdown table on
-stdout, the raw results as JSON with ``--json``.
+through (it resumed from its own checkpoint and reached its last epoch), and the job's goodput: the share
+of its worker-seconds (launch to exit) spent in training steps that were kept, from the steps the script
+itself timed (tests/clients/scripts/step_times.py; bench/goodput_steps.py), so both launchers are
+measured alike.  Output: a markdown table on stdout, the raw results as JSON with ``--json``.
 
     python bench/bench_clients.py [--only accelerate,ddp_tutorial,lightning,torchelastic] [--json out.json]
 """
@@ -27,6 +29,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import LAUNCHERS, PYTHON, ROOT, free_port, kill_tree, log  # noqa: E402
+from bench.goodput_steps import StepTime, measure  # noqa: E402
 
 SCRIPTS = ROOT / "tests" / "clients" / "scripts"
 
@@ -42,20 +45,28 @@ class Result:
     note: str = ""
     #: The end of the launcher's output when the job did not come through (for the log, not the table).
     tail: str = ""
+    #: Goodput in % of the job's worker-seconds, from the script's own step times (None: not measured).
+    goodput: float | None = None
 
 
 class Run:
     """One launcher process (one node) with its output in a file."""
 
-    def __init__(self, which: str, flags: list[str], script: list[str], workdir: Path, tag: str) -> None:
-        self.which, self.workdir = which, workdir
+    def __init__(self, which: str, flags: list[str], script: list[str], workdir: Path, tag: str,
+                 workers: int = 1) -> None:
+        self.which, self.workdir, self.workers = which, workdir, workers
+        self.steps = workdir / "steps"
+        self.steps.mkdir(exist_ok=True)
         self.log_dir = workdir / f"events-{tag}"
         self.out = workdir / f"{tag}.out"
         if which == "torchrun":
             argv = [PYTHON, "-m", "torch.distributed.run", *flags, *script]
         else:
             argv = [PYTHON, "-m", "elastrun", f"--log-dir={self.log_dir}", *flags, *script]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "ERROR",
+               "STEP_TIMES_DIR": str(self.steps)}
+        self.started = time.time()
+        self.ended: float | None = None
         with open(self.out, "wb") as fh:
             self.proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=fh, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
@@ -91,14 +102,35 @@ class Run:
 
     def wait(self, timeout: float) -> int | None:
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             return None
+        self.ended = self.ended or time.time()
+        return code
 
     def close(self) -> None:
         if self.proc.poll() is None:
             kill_tree(self.proc.pid)
             self.proc.wait(10)
+        self.ended = self.ended or time.time()
+
+
+def goodput(runs: list[Run]) -> float | None:
+    """Goodput (%) of the nodes ``runs``, from the steps their scripts timed: kept step time over worker-seconds."""
+    steps = []
+    for path in runs[0].steps.glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            steps.append(StepTime((e["e"], e["i"]), e["t0"], e["t1"]))
+    if not steps or any(r.ended is None for r in runs):
+        return None
+    start = min(r.started for r in runs)
+    end = max(r.ended or 0.0 for r in runs)
+    worker_seconds = sum(r.workers * ((r.ended or 0.0) - r.started) for r in runs)  # nodes come and go
+    return 100 * measure(steps, 1, start, end).kept_seconds / max(worker_seconds, 1e-9)
 
 
 def kill_rank(run: Run, rank: int) -> bool:
@@ -125,7 +157,7 @@ def single_node(client: str, which: str, workdir: Path) -> Result:
     script, strike, resumed, done = SINGLE_NODE[client]
     started = time.monotonic()
     run = Run(which, ["--standalone", "--nproc-per-node=2", "--max-restarts=1"],
-              [str(SCRIPTS / script[0]), *script[1:]], workdir, "node")
+              [str(SCRIPTS / script[0]), *script[1:]], workdir, "node", workers=2)
     try:
         if run.wait_output(strike, 300) is None:
             return Result(client, which, "worker SIGKILL", run.proc.poll(), False, time.monotonic() - started,
@@ -137,7 +169,7 @@ def single_node(client: str, which: str, workdir: Path) -> Result:
         note = "" if ok else ("no worker of rank 1 found" if not killed else
                               "timed out" if code is None else "did not resume and finish")
         return Result(client, which, "worker SIGKILL", code, ok, time.monotonic() - started, note,
-                      "" if ok else out[-2500:])
+                      "" if ok else out[-2500:], goodput([run]) if ok else None)
     finally:
         run.close()
 
@@ -166,13 +198,14 @@ def join_and_loss(which: str, workdir: Path) -> Result:
                           f"--- A ---\n{a.output()[-2000:]}\n--- B ---\n{b.output()[-2000:]}")
         kill_tree(b.proc.pid)  # the node is gone: its agent and its workers
         b.proc.wait(10)
+        b.ended = time.time()
         lost_at = len(a.output())
         code = a.wait(300)
         rest = a.output()[lost_at:]
         ok = code == 0 and "world 1" in rest and "done: epoch 11" in rest
         note = "" if ok else ("timed out after the loss" if code is None else "did not finish after the loss")
         return Result("torchelastic", which, fault, code, ok, time.monotonic() - started, note,
-                      "" if ok else rest[-2500:])
+                      "" if ok else rest[-2500:], goodput([a, b]) if ok else None)
     finally:
         a.close()
         if b is not None:
@@ -194,18 +227,20 @@ def main() -> None:
                 r = join_and_loss(which, workdir) if client == "torchelastic" else single_node(client, which, workdir)
             finally:
                 subprocess.run(["rm", "-rf", str(workdir)], check=False)
-            log(f"  exit {r.exit_code}, survived {r.survived}, {r.seconds:.1f} s {r.note}")
+            log(f"  exit {r.exit_code}, survived {r.survived}, {r.seconds:.1f} s, goodput {r.goodput} {r.note}")
             if r.tail:
                 log(f"  output:\n{r.tail}")
             results.append(r)
-    print("| client | fault | torchrun: exit, came through | elastrun: exit, came through |")
-    print("|---|---|---|---|")
+    print("| client | fault | torchrun: exit, came through | elastrun: exit, came through | goodput: torchrun, "
+          "elastrun |")
+    print("|---|---|---|---|---|")
     for client in dict.fromkeys(r.client for r in results):
         row = {r.launcher: r for r in results if r.client == client}
         cells = [f"{'none (still running)' if row[w].exit_code is None else row[w].exit_code}, "
                  f"{'yes' if row[w].survived else 'no'}"
                  + (f" ({row[w].note})" if row[w].note else "") + f", {row[w].seconds:.0f} s" for w in LAUNCHERS]
-        print(f"| {client} | {row[LAUNCHERS[0]].fault} | {cells[0]} | {cells[1]} |")
+        good = ", ".join("—" if row[w].goodput is None else f"{row[w].goodput:.1f} %" for w in LAUNCHERS)
+        print(f"| {client} | {row[LAUNCHERS[0]].fault} | {cells[0]} | {cells[1]} | {good} |")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
 

@@ -3,7 +3,8 @@
 - worker crash: ``--standalone``, 2 workers, rank 1 exits with code 1 at step 10 (once); from
   the crash (the mtime of the file it writes just before exiting) until every rank of the new
   attempt has stepped.  elastrun's time is broken down from its event log and the workload's
-  phase timestamps.
+  phase timestamps.  The trial's goodput (launch to exit) is measured from the workload's own
+  step log for both launchers (bench/goodput_steps.py).
 - node loss: N agents (1 worker each) on loopback with ``--rdzv-backend=c10d``,
   ``--nnodes=N-1:N``; a non-host agent and its workers are SIGKILLed; until every rank of the
   (N-1)-rank world has stepped.
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.common import LAUNCHERS, Row, Trial, free_port, launcher_argv, log, median, wait_for
+from bench.goodput_steps import from_workload
 
 CAP = 60.0  # longest wait for a recovery; a trial that takes longer counts as "did not recover"
 
@@ -54,7 +56,12 @@ def _agent_events(log_dir: Path) -> list[dict]:
     return sorted(out, key=lambda e: e["ts"])
 
 
-def worker_crash(which: str) -> tuple[float | None, dict[str, float]]:
+def worker_crash(which: str) -> tuple[float | None, dict[str, float], float | None]:
+    """Seconds from the crash to every rank stepping, elastrun's breakdown, and the trial's goodput (%).
+
+    Goodput is measured from the workload's own step log (bench/goodput_steps.py), launch to exit:
+    the workload keeps no state, so both launchers redo the 10 steps before the crash.
+    """
     trial = Trial(f"crash-{which}", env={"STEPS": "60", "STEP_SECONDS": "0.05", "CRASH_AT_STEP": "10",
                                           "CRASH_RANK": "1"})
     once = trial.dir / "crashed"
@@ -64,17 +71,21 @@ def worker_crash(which: str) -> tuple[float | None, dict[str, float]]:
     if which == "elastrun":
         flags.append(f"--log-dir={logs}")
     try:
-        trial.start(launcher_argv(which, flags))
+        launched = time.time()
+        proc = trial.start(launcher_argv(which, flags))
         if not wait_for(once.exists, 120):
             log(f"crash {which}: never crashed\n{trial.output()}")
-            return None, {}
+            return None, {}, None
         crash = once.stat().st_mtime
         back = wait_for(lambda: trial.all_ranks_stepped(2, after=crash), CAP)
         if back is None:
             log(f"crash {which}: no step of the new attempt within {CAP:g} s\n{trial.output()[-1500:]}")
-            return None, {}
+            return None, {}, None
         phases = _breakdown(trial, crash, logs if which == "elastrun" else None)
-        return back - crash, phases
+        ended = wait_for(lambda: proc.poll() is not None and time.time(), CAP)
+        good = None if ended is None or proc.returncode != 0 else \
+            100 * from_workload(trial.events(), 2, launched, ended).ratio
+        return back - crash, phases, good
     finally:
         trial.close()
 
@@ -182,14 +193,18 @@ def run(repeat: int) -> tuple[list[Row], list[str]]:
     rows: list[Row] = []
     notes: list[str] = []
     crash: dict[str, list] = {w: [] for w in LAUNCHERS}
+    good: dict[str, list] = {w: [] for w in LAUNCHERS}
     phases: dict[str, list[dict]] = {w: [] for w in LAUNCHERS}
     for i in range(repeat):
         for which in LAUNCHERS:
-            took, parts = worker_crash(which)
-            log(f"worker crash {which} #{i}: {took} {parts}")
+            took, parts, ratio = worker_crash(which)
+            log(f"worker crash {which} #{i}: {took} {parts} goodput {ratio}")
             crash[which].append(took)
+            good[which].append(ratio)
             phases[which].append(parts)
     rows.append(Row("worker crash → all ranks stepping again", crash["torchrun"], crash["elastrun"], goal="≤ 0.30"))
+    rows.append(Row("worker crash trial: goodput, launch to exit (workload's step log)", good["torchrun"],
+                    good["elastrun"], unit="%", note="60 steps of 0.05 s, 10 redone by both"))
     for which in LAUNCHERS:
         labels = list(dict.fromkeys(k for p in phases[which] for k in p))
         parts = ", ".join(f"{k} {median(p.get(k) for p in phases[which]):.2f} s" for k in labels)

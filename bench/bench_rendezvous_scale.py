@@ -262,7 +262,7 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
     """One process of simulated nodes: connect, say ready, join on "go", report, heartbeat, close."""
     import signal
 
-    from elastrun.workers.prctl import set_parent_death_signal
+    from elastrun.prctl import set_parent_death_signal
 
     set_parent_death_signal(signal.SIGKILL)  # in a session of its own: no terminal signal reaches it
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -4,8 +4,9 @@
 is the same script written the usual way (``init_distributed``, ``restore``, loop), which every
 launcher restarts.  One JSON line per event in ``$BENCH_LOG/<pid>.jsonl``, as ``workload.py``:
 ``restored`` (rank, world, source) each time the state is restored and one ``step`` line per
-committed step.  Environment: SIZE_M (model size in millions, 100), BATCH (8), STEPS (100000),
-CRASH_AT_STEP/CRASH_RANK/CRASH_ONCE_FILE (exit 1 there, once: the file's mtime is the crash).
+committed step (``t0`` its start, ``tc`` the commit's call, ``t`` its return).  Environment: SIZE_M (model size
+in millions, 100), BATCH (8), STEPS (100000), CRASH_AT_STEP/CRASH_RANK/CRASH_ONCE_FILE (exit 1
+there, once: the file's mtime is the crash).
 """
 
 import json
@@ -46,6 +47,7 @@ def main() -> None:
         model = DDP(net)
         g = torch.Generator().manual_seed(rank)
         while state.step < steps:
+            began = time.time()
             if state.step == crash_at and rank == crash_rank and once and not os.path.exists(once):
                 open(once, "w").close()
                 sys.exit(1)
@@ -54,8 +56,10 @@ def main() -> None:
             opt.zero_grad()
             loss.backward()
             opt.step()
+            committing = time.time()
             state.commit()
-            emit("step", n=state.step, rank=rank, world=world, gen=int(os.environ["TORCHELASTIC_RESTART_COUNT"]))
+            emit("step", n=state.step, rank=rank, world=world, gen=int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
+                 t0=began, tc=committing)
 
     if os.environ.get("MODE", "reform") == "reform":
         et.run(train, state)

@@ -3,9 +3,10 @@
 A small DDP model on gloo, one JSON line per event in ``$BENCH_LOG/<pid>.jsonl``:
 ``proc`` (process creation time, from /proc), ``start`` (script begins), ``imported``
 (torch and DDP imported), ``pg`` (process group initialised), ``ddp`` (model wrapped) and one
-``step`` line per step.  Per-process files keep the phases of each attempt apart, since ranks
-are reassigned on restarts.  Environment: STEPS (default 1000), STEP_SECONDS (default 0.05),
-CRASH_AT_STEP/CRASH_RANK/CRASH_ONCE_FILE (exit 1 there, once: the file's mtime is the crash).
+``step`` line per step (``t0`` its start, ``t`` its end: for goodput, bench/goodput_steps.py).
+Per-process files keep the phases of each attempt apart, since ranks are reassigned on restarts.
+Environment: STEPS (default 1000), STEP_SECONDS (default 0.05), CRASH_AT_STEP/CRASH_RANK/
+CRASH_ONCE_FILE (exit 1 there, once: the file's mtime is the crash).
 """
 
 import time
@@ -52,6 +53,7 @@ def main() -> None:
     crash_rank = int(os.environ.get("CRASH_RANK", "0"))
     once = os.environ.get("CRASH_ONCE_FILE")
     for step in range(steps):
+        began = time.time()
         if step == crash_at and rank == crash_rank and once and not os.path.exists(once):
             open(once, "w").close()
             sys.exit(1)
@@ -60,7 +62,7 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        _log(log, "step", n=step, rank=rank, world=world, gen=gen)
+        _log(log, "step", n=step, rank=rank, world=world, gen=gen, t0=began)
         if pause:
             time.sleep(pause)
     dist.destroy_process_group()

@@ -5,7 +5,7 @@ Usage is torchrun's, so that switching is a one-word change::
     elastrun [launcher flags] SCRIPT [script args]
     elastrun [launcher flags] -m MODULE [module args]
     elastrun [launcher flags] --no-python PROGRAM [program args]
-    elastrun status|timeline ...            (observation tools, see elastrun.observe)
+    elastrun status|timeline|goodput ...    (observation tools, see elastrun.observe)
 
 Everything after SCRIPT belongs to the script, even words that look like launcher flags.  Every
 flag has both spellings (``--nproc-per-node`` and ``--nproc_per_node``) and can also come from a
@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from elastrun.rendezvous.endpoint import join_address, split_address
 
 PROG = "elastrun"
 #: First words that select an observation tool instead of a launch.
-SUBCOMMANDS = ("status", "timeline")
+SUBCOMMANDS = ("status", "timeline", "goodput")
 _NPROC_ALLOWED = "use a positive integer, auto, cpu or gpu"
 #: LaunchConfig fields named by another flag's dest.
 _FIELD_FLAGS = {"min_nodes": "nnodes", "max_nodes": "nnodes", "run_id": "rdzv_id", "rdzv_configs": "rdzv_conf"}
@@ -698,7 +699,7 @@ def help_text() -> str:
         f"usage: {PROG} [flags] SCRIPT [ARGS...]",
         f"       {PROG} [flags] -m MODULE [ARGS...]",
         f"       {PROG} [flags] --no-python PROGRAM [ARGS...]",
-        f"       {PROG} status|timeline ...",
+        f"       {PROG} status|timeline|goodput ...",
         "",
         "Elastic, fault-tolerant launcher for PyTorch distributed training; a drop-in for torchrun.",
         "Everything after SCRIPT goes to the script. Each --flag-name also has the spelling",
@@ -728,7 +729,7 @@ def help_text() -> str:
 
 
 def _run_subcommand(argv: list[str]) -> int:
-    """``elastrun status|timeline ...``: hand argv, subcommand first, to elastrun.observe.cli."""
+    """``elastrun status|timeline|goodput ...``: hand argv, subcommand first, to elastrun.observe.cli."""
     try:
         from elastrun.observe.cli import main as observe_main
     except ImportError as exc:
@@ -741,11 +742,14 @@ def main(argv: list[str] | None = None) -> int:
     """The ``elastrun`` command: parse, then launch; exit status 2 (one line on stderr) on a usage error."""
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] in SUBCOMMANDS:
-        return _run_subcommand(args)
+        code = _run_subcommand(args)
+        sys.stdout.flush()  # here, so that a closed pipe is seen (and ends the command) like a failed write
+        return code
     try:
         config = parse(args, os.environ)
     except HelpRequested as request:
         print(request.text)
+        sys.stdout.flush()
         return 0
     except UsageError as error:
         log.get("cli").error(" ".join(str(error).split()) or "invalid command line")
@@ -762,4 +766,24 @@ def command() -> NoReturn:
     Python's own exit steps): with torch loaded that teardown takes 0.6-0.9 s at the end of every
     job and does nothing the agent needs.  :func:`main` itself returns, for callers in Python.
     """
-    leave(main())
+    try:
+        code = main()
+    except BrokenPipeError:
+        end_on_closed_pipe()
+    leave(code)
+
+
+def end_on_closed_pipe() -> NoReturn:
+    """End the command as a Unix tool does when the reader of its output went away (``| head``).
+
+    Nothing more is written (stdout now points at /dev/null, so no flush can fail again) and the
+    process dies by SIGPIPE, as ``cat`` or ``yes`` do: the shell sees status 141, with no traceback.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGPIPE)
+    os._exit(128 + signal.SIGPIPE)  # not reached: the default action of SIGPIPE ends the process

@@ -118,11 +118,7 @@ def run(config: LaunchConfig) -> int:
 
     agent = LocalAgent(config, handler, starter, base_env=base_env)
 
-    def rendezvous_warning(message: str, fields: dict[str, Any]) -> None:
-        log.get("rendezvous").warning(message)
-        agent.events.emit("rendezvous_warning", message=message, **fields)
-
-    handler.on_warning = rendezvous_warning
+    handler.on_warning = agent.report.rendezvous_warning
     return agent.run()
 
 
@@ -144,9 +140,8 @@ def launch(config: LaunchConfig, entrypoint: Callable[..., Any] | str, *args: An
         return {r: None for r in range(config.nproc_per_node)}
     with tempfile.TemporaryDirectory(prefix="elastrun-launch-") as tmp:
         call_file = Path(tmp) / "call.pkl"
-        job = dataclasses.replace(
-            config, module=True, no_python=False, entrypoint="elastrun.workers.run_function", args=[str(call_file), tmp]
-        )
+        job = dataclasses.replace(config, module=True, no_python=False, entrypoint="elastrun.inworker.run_function",
+                                  args=[str(call_file), tmp])
         check(job)
         with open(call_file, "wb") as fh:
             pickle.dump((entrypoint.__module__, entrypoint.__qualname__, args, _main_path()), fh)

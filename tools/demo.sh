@@ -3,7 +3,8 @@
 # a small CNN on generated images, two workers.  Halfway through, tools/demo_fault.py SIGKILLs
 # rank 1 from outside; the job restores from node memory and finishes.  At the end: the failure,
 # the recovery time, the committed steps lost (0), a check that every sample was used exactly once
-# per epoch, and the timeline picture of the run.  Checkpoints go to a temporary directory (removed);
+# per epoch, the job's goodput (what share of the workers' time went into steps that were kept, and
+# where the rest went) and the timeline of the run (a picture and an interactive page).  Checkpoints go to a temporary directory (removed);
 # the event log, the per-step records and the picture stay in runs/demo-<time>/.
 # Extra arguments go to elastrun, e.g. `bash tools/demo.sh --start-method spawn`.
 set -euo pipefail
@@ -29,9 +30,11 @@ watcher=""
 echo
 echo "== what happened =="
 .venv/bin/python tools/demo_fault.py report "$run/audit" "$run/logs" --samples "$samples"
+echo "goodput:    $(.venv/bin/elastrun goodput "$run/logs" | tail -n 1)"
+echo "            (the breakdown: elastrun goodput $run/logs)"
 if .venv/bin/python -c "import matplotlib" 2>/dev/null; then
-    .venv/bin/elastrun timeline "$run/logs" -o "$run/timeline.png" >/dev/null
-    echo "timeline:   $run/timeline.png  (elastrun timeline $run/logs)"
+    .venv/bin/elastrun timeline "$run/logs" -o "$run/timeline.png" --html "$run/timeline.html" >/dev/null
+    echo "timeline:   $run/timeline.png, $run/timeline.html  (elastrun timeline $run/logs)"
 else
     echo "timeline:   pip install 'elastrun[timeline]', then: elastrun timeline $run/logs -o timeline.png"
 fi

@@ -1,8 +1,11 @@
-"""Import circles in the elastrun package: ``python tools/import_circles.py [PACKAGE_DIR]``.
+"""Import circles and crossings in the elastrun package: ``python tools/import_circles.py [PACKAGE_DIR]``.
 
 Reads every module's imports (module level and inside functions; ``if TYPE_CHECKING`` blocks are
-left out) and prints the circles among modules, and the function-level imports that close one
-(an import moved into a function only to hide a circle).  Exit status 1 when there is either.
+left out) and prints the circles among modules, the function-level imports that close one (an
+import moved into a function only to hide a circle), and the imports that cross a worker's process
+boundary: the agent's side (:data:`AGENT_SIDE`) and the code that runs inside a worker
+(:data:`WORKER_SIDE`) import nothing of each other; they share ``elastrun.protocol``.  Exit status
+1 when there is any of the three.
 """
 
 from __future__ import annotations
@@ -10,6 +13,18 @@ from __future__ import annotations
 import ast
 import sys
 from pathlib import Path
+
+#: Packages whose code runs in the agent process, and packages whose code runs inside a worker.
+AGENT_SIDE = ("elastrun.agent", "elastrun.workers", "elastrun.rendezvous")
+WORKER_SIDE = ("elastrun.inworker", "elastrun.train")
+
+
+def side(name: str) -> str | None:
+    """``"agent"``, ``"worker"`` or None (shared: the protocol, config, log and the other leaves)."""
+    for label, packages in (("agent", AGENT_SIDE), ("worker", WORKER_SIDE)):
+        if any(name == p or name.startswith(p + ".") for p in packages):
+            return label
+    return None
 
 
 def module_names(root: Path) -> dict[str, Path]:
@@ -101,9 +116,12 @@ def main(argv: list[str]) -> int:
 
     hiding = sorted((name, t) for name, targets in edges.items() for t, late in targets.items()
                     if late and reaches(t, name))  # fmt: skip
+    crossing = sorted((name, t) for name, targets in edges.items() for t in targets
+                      if side(name) and side(t) and side(name) != side(t))  # fmt: skip
     print(f"circles: {found or 'none'}")
     print(f"function-level imports that close a circle: {hiding or 'none'}")
-    return 1 if found or hiding else 0
+    print(f"imports across a worker's process boundary (agent side <-> worker side): {crossing or 'none'}")
+    return 1 if found or hiding or crossing else 0
 
 
 if __name__ == "__main__":

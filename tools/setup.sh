@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
-# Creates .venv with elastrun (editable) and its dev tools; installs etcd, iproute2 and SLURM (slurm-wlm's
-# slurmctld, slurmd and client commands, for tests/deploy/test_slurm_cluster.py) when root.
+# Creates .venv with elastrun (editable) and its dev tools; installs etcd, iproute2, SLURM (slurm-wlm's
+# slurmctld, slurmd and client commands, for tests/deploy/test_slurm_cluster.py) and Chromium with its
+# WebDriver (for the timeline page's browser test, tests/observe/test_goodput_accuracy.py) when root.
 # Idempotent: a second run only checks.  torch is pinned to the CPU build 2.13.0 for dev and CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
 if [ "$(id -u)" = 0 ] && { ! command -v etcd >/dev/null || ! command -v ip >/dev/null \
-        || ! command -v slurmctld >/dev/null; }; then
+        || ! command -v slurmctld >/dev/null || ! command -v chromedriver >/dev/null; }; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq >/dev/null
     apt-get install -y -qq etcd-server iproute2 >/dev/null
     # The daemons are not started here: the test runs its own, configured in a temporary directory.
     apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client >/dev/null \
         || echo "setup.sh: SLURM could not be installed; its tests will be skipped" >&2
+    apt-get install -y -qq chromium chromium-driver >/dev/null \
+        || echo "setup.sh: Chromium could not be installed; the browser test will be skipped" >&2
 fi
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
-if [ ! -x .venv/bin/elastrun ] || ! .venv/bin/python -c "import torch, pytest, etcd3gw, websocket" 2>/dev/null \
+if [ ! -x .venv/bin/elastrun ] || ! .venv/bin/python -c "import torch, pytest, etcd3gw, websocket, selenium" 2>/dev/null \
         || ! .venv/bin/python -c "import importlib.util as u, sys
 sys.exit(any(u.find_spec(m) is None for m in ('accelerate', 'pytorch_lightning')))" \
         || [ "${FORCE_INSTALL:-0}" = 1 ]; then

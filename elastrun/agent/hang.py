@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from elastrun.workers.heartbeat import read_heartbeat
+from elastrun.workers.reports import read_heartbeat
 
 HANG_FLOOR = 30.0
 HANG_FACTOR = 10.0

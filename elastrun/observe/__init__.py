@@ -9,6 +9,7 @@ subcommands that need them.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from elastrun import log
@@ -16,6 +17,7 @@ from elastrun import log
 if TYPE_CHECKING:
     from elastrun.config import LaunchConfig
     from elastrun.observe.events import EventLog
+    from elastrun.observe.goodput_report import GoodputTracker
     from elastrun.observe.metrics import Registry
     from elastrun.observe.server import MetricsServer
 
@@ -26,10 +28,12 @@ METRICS_HOST_ENV = "ELASTRUN_METRICS_HOST"
 class Observability:
     """What :func:`start_observability` started: the metrics registry and, with a port, its HTTP server."""
 
-    def __init__(self, registry: Registry, server: MetricsServer | None, listener) -> None:
+    def __init__(self, registry: Registry, server: MetricsServer | None, listener, goodput: GoodputTracker) -> None:
         self.registry = registry
         self.server = server
         self._listener = listener
+        #: This node's goodput so far (``goodput.summary_line()`` is the agent's end-of-job line).
+        self.goodput = goodput
 
     @property
     def metrics_url(self) -> str | None:
@@ -40,6 +44,7 @@ class Observability:
         """Stop the HTTP server (if any); pass the EventLog to also detach the metrics listener."""
         if events is not None:
             events.remove_listener(self._listener)
+            events.remove_listener(self.goodput)
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -52,11 +57,15 @@ def start_observability(config: LaunchConfig, events: EventLog) -> Observability
     (0 picks a free port; see ``handle.metrics_url``).  A port that cannot be bound is reported on
     stderr and the agent runs on without an endpoint: metrics must never stop a training job.
     """
-    from elastrun.observe.metrics import EventMetrics, Registry
+    from elastrun.observe.goodput_report import GoodputTracker
+    from elastrun.observe.metrics import EventMetrics, GoodputMetrics, Registry
 
     registry = Registry({"node": events.node_id, "run_id": config.run_id})
     listener = EventMetrics(registry)
     events.add_listener(listener)
+    goodput = GoodputTracker([Path(config.log_dir)] if config.log_dir else [])
+    events.add_listener(goodput)
+    registry.add_collector(GoodputMetrics(goodput))
     server = None
     if config.metrics_port is not None:
         from elastrun.observe.server import MetricsServer
@@ -69,7 +78,7 @@ def start_observability(config: LaunchConfig, events: EventLog) -> Observability
                 f"cannot serve metrics on {host}:{config.metrics_port} ({exc}); "
                 "the job runs without a metrics endpoint"
             )
-    return Observability(registry, server, listener)
+    return Observability(registry, server, listener, goodput)
 
 
 __all__ = ["METRICS_HOST_ENV", "Observability", "start_observability"]

@@ -1,4 +1,4 @@
-"""``elastrun status`` and ``elastrun timeline``: argument parsing and exit codes.
+"""``elastrun status``, ``elastrun timeline`` and ``elastrun goodput``: argument parsing and exit codes.
 
 ``elastrun.cli`` hands over argv with the subcommand first.  Exit codes: 0 done, 1 the job or
 its logs could not be read (one line on stderr saying why), 2 bad command line or a missing
@@ -20,8 +20,16 @@ _TIMELINE_EXTRA = "pip install 'elastrun[timeline]'"
 _ENV = {"backend": "PET_RDZV_BACKEND", "endpoint": "PET_RDZV_ENDPOINT", "id": "PET_RDZV_ID", "conf": "PET_RDZV_CONF"}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, except that ``--help`` into a closed pipe raises (argparse swallows it), so the
+    command ends as a Unix tool does (:func:`elastrun.cli.end_on_closed_pipe`) instead of exiting 0."""
+
+    def print_help(self, file=None) -> None:
+        (file or sys.stdout).write(self.format_help())
+
+
 def _status_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="elastrun status",
         description="Show a live job: its round, nodes (address, state, ranks, heartbeat age) and restarts. "
         "Reads the rendezvous as a pure client: it never joins or changes the job.",
@@ -41,11 +49,13 @@ def _status_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C (in place on a terminal)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the backend (default 3)")
+    p.add_argument("--log-dir", "--log_dir", dest="log_dir", default=os.environ.get("PET_LOG_DIR") or None,
+                   help="the job's --log-dir, readable from here: adds its goodput so far (env PET_LOG_DIR)")
     return p
 
 
 def _timeline_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="elastrun timeline",
         description="Draw a job's history from the events-*.jsonl files under LOG_DIR (the --log-dir of "
         "its agents; copy every node's files into one directory for a multi-host job).",
@@ -56,6 +66,49 @@ def _timeline_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="FILE", help="also write a self-contained interactive HTML page")
     p.add_argument("--json", metavar="FILE", dest="json_out", help="also write the plotted data as JSON")
     return p
+
+
+def _goodput_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="elastrun goodput",
+        description="Goodput and badput of a job, from the events-*.jsonl and step records under LOG_DIR (the "
+        "--log-dir of its agents): the share of worker time spent in committed steps never redone, where the "
+        "rest went, and what each fault cost. See docs/observe.md.",
+        allow_abbrev=False,
+    )
+    p.add_argument("log_dir", metavar="LOG_DIR", help="directory holding events-*.jsonl (searched recursively)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument("--spans", action="store_true", help="with --json: include every classified interval")
+    return p
+
+
+def goodput_main(argv: list[str]) -> int:
+    """``elastrun goodput LOG_DIR [--json]``; returns the exit code."""
+    args = _goodput_parser().parse_args(argv)
+    from elastrun.observe.goodput_report import format_breakdown, load, summary_line, to_json
+
+    try:
+        gp = load(args.log_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"elastrun goodput: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(to_json(gp, spans=args.spans), indent=1))
+    else:
+        print(format_breakdown(gp))
+        print()
+        print(summary_line(gp))
+    return 0
+
+
+def goodput_so_far(log_dir: str) -> dict:
+    """The goodput document of a running job's log directory, or ``{"error": why}``: status must still show."""
+    from elastrun.observe.goodput_report import load, to_json
+
+    try:
+        return to_json(load(log_dir, now=time.time()))
+    except (OSError, ValueError) as exc:
+        return {"error": str(exc)}
 
 
 def status_main(argv: list[str]) -> int:
@@ -87,7 +140,10 @@ def status_main(argv: list[str]) -> int:
     )
 
     def read() -> dict:
-        return read_status(params, args.timeout)
+        doc = read_status(params, args.timeout)
+        if args.log_dir:
+            doc["goodput"] = goodput_so_far(args.log_dir)
+        return doc
 
     try:
         if args.watch and not args.json:
@@ -152,13 +208,16 @@ def timeline_main(argv: list[str]) -> int:
     return 0
 
 
+_MAINS = {"status": status_main, "timeline": timeline_main, "goodput": goodput_main}
+
+
 def main(argv: list[str]) -> int:
-    """Entry point used by ``elastrun.cli``: ``argv[0]`` is ``status`` or ``timeline``."""
-    if not argv or argv[0] not in ("status", "timeline"):
-        print("elastrun: error: expected 'status' or 'timeline'", file=sys.stderr)
+    """Entry point used by ``elastrun.cli``: ``argv[0]`` is ``status``, ``timeline`` or ``goodput``."""
+    if not argv or argv[0] not in _MAINS:
+        print("elastrun: error: expected 'status', 'timeline' or 'goodput'", file=sys.stderr)
         return 2
     try:
-        return status_main(argv[1:]) if argv[0] == "status" else timeline_main(argv[1:])
+        return _MAINS[argv[0]](argv[1:])
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2, message already printed)
         return int(exc.code or 0)
 

@@ -86,8 +86,11 @@ class EventLog:
             if self._file is not None:
                 self._file.write(line + "\n")
             if self._stream is not None:
-                self._stream.write(line + "\n")
-                self._stream.flush()
+                try:
+                    self._stream.write(line + "\n")
+                    self._stream.flush()
+                except (OSError, ValueError):  # the reader went away (`elastrun ... | head`): the job goes on
+                    self._stream = None
         for listener in list(self._listeners):
             try:
                 listener(record)

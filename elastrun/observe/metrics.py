@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 Labels = tuple[tuple[str, str], ...]
@@ -133,6 +135,11 @@ class Registry:
         self._lock = threading.Lock()
         self._metrics: dict[str, _Metric] = {}
         self._const = _label_key(const_labels or {})
+        self._collectors: list[Callable[[Registry], None]] = []
+
+    def add_collector(self, collect: Callable[[Registry], None]) -> None:
+        """Call ``collect(registry)`` before each :meth:`render`: metrics computed when scraped (goodput)."""
+        self._collectors.append(collect)
 
     def _get(self, cls: type, name: str, help_text: str) -> Any:
         metric = self._metrics.get(name)
@@ -159,6 +166,13 @@ class Registry:
 
     def render(self) -> str:
         """Every metric in Prometheus' text exposition format (0.0.4)."""
+        for collect in list(self._collectors):
+            try:
+                collect(self)
+            except Exception as exc:  # a scrape must answer even when a collector fails
+                from elastrun import log
+
+                log.get("observe").debug(f"metrics collector failed: {exc}")
         out: list[str] = []
         for name in sorted(self._metrics):
             metric = self._metrics[name]
@@ -291,3 +305,36 @@ class EventMetrics:
     def _on_agent_exit(self, e: dict[str, Any]) -> None:
         self.exited.set(e.get("exitcode", 0))
         self._stopped()
+
+
+class GoodputMetrics:
+    """A collector (``registry.add_collector(GoodputMetrics(tracker))``): goodput so far, at each scrape.
+
+    Gauges, not counters: a step counted as goodput becomes badput when a later fault rolls it back.
+    Recomputed at most every ``min_interval`` seconds (the step records are re-read each time).
+    """
+
+    def __init__(self, tracker: Any, min_interval: float = 5.0) -> None:
+        self.tracker = tracker
+        self.min_interval = min_interval
+        self._last = -float("inf")
+
+    def __call__(self, r: Registry) -> None:
+        if time.monotonic() - self._last < self.min_interval:
+            return
+        self._last = time.monotonic()
+        gp = self.tracker.compute()
+        if gp is None:
+            return
+        from elastrun.observe.goodput import CAUSES
+
+        ratio = r.gauge("elastrun_goodput_ratio",
+                        "Share of this node's worker-seconds spent in committed steps never redone (so far).")
+        wall = r.gauge("elastrun_goodput_wall_ratio", "Share of wall time in which a kept step ran (so far).")
+        good = r.gauge("elastrun_goodput_seconds", "Worker-seconds in committed steps never redone (so far).")
+        bad = r.gauge("elastrun_badput_seconds", "Worker-seconds of badput by cause (so far; docs/observe.md).")
+        ratio.set(gp.ratio if gp.ratio is not None else float("nan"))
+        wall.set(gp.wall_ratio if gp.wall_ratio is not None else float("nan"))
+        good.set(gp.good)
+        for cause in CAUSES:
+            bad.set(gp.badput.get(cause, 0.0), cause=cause)

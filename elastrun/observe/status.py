@@ -82,6 +82,10 @@ def format_status(doc: dict[str, Any]) -> str:
         lines.append(f"joining round {doc['open_round']}: {len(doc['waiting'])} node(s): {names}")
     if doc.get("aborted"):
         lines.append("job failed: " + str(doc["aborted"]).strip().splitlines()[0])
+    goodput = doc.get("goodput")
+    if goodput:
+        lines.append(f"goodput so far: {goodput['summary']}" if "summary" in goodput
+                     else f"goodput: not available ({goodput.get('error')})")
     return "\n".join(lines)
 
 

@@ -20,6 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastrun.observe.goodput import compute
+from elastrun.observe.steplog import ProcessLog
+from elastrun.observe.timeline_goodput import (
+    CAUSE_COLOURS,
+    GoodputLayer,
+    draw_strips,
+    goodput_layer,
+    legend_causes,
+)
+
 #: Outcome of an attempt → colour (colour-blind-safe palette, Okabe-Ito).
 OUTCOME_COLOURS = {
     "finished": "#009E73",
@@ -105,6 +115,10 @@ class Timeline:
     world_size: list[tuple[float, int]] = field(default_factory=list)
     #: ``(t, workers running on all nodes)`` steps.
     running: list[tuple[float, int]] = field(default_factory=list)
+    #: Worker slots per node (``--nproc-per-node`` of its agent).
+    nproc: dict[str, int] = field(default_factory=dict)
+    #: Every slot's time by cause and each fault's cost (None when it could not be computed).
+    goodput: GoodputLayer | None = None
 
     def attempts_of(self, node: str) -> list[Attempt]:
         return [a for a in self.attempts if a.node == node]
@@ -119,8 +133,8 @@ def _lane_label(node: str, start: dict[str, Any] | None) -> str:
     return node
 
 
-def build_timeline(events: list[dict[str, Any]]) -> Timeline:
-    """The model of the picture, from the events of all nodes (any order)."""
+def build_timeline(events: list[dict[str, Any]], logs: dict[tuple[str, Any], ProcessLog] | None = None) -> Timeline:
+    """The model of the picture, from the events of all nodes (any order) and the workers' step records."""
     events = sorted(events, key=lambda e: float(e.get("ts", 0.0)))
     if not events:
         raise ValueError("no events to draw")
@@ -151,6 +165,11 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
             model.marks.append(Mark(node, t - t0, "node_lost", f"lost (seen by {seen})"))
     _rounds(model, events)
     _running(model)
+    model.nproc = {n: int((starts[n] or {}).get("nproc") or 1) for n in by_node}
+    try:
+        model.goodput = goodput_layer(compute(events, logs), t0, min_width=max(model.duration, 1.0) / 1500)
+    except (ValueError, KeyError, TypeError):
+        model.goodput = None  # the picture does not depend on it
     model.marks.sort(key=lambda m: m.t)
     model.attempts.sort(key=lambda a: (model.lanes.index(a.node), a.start))
     return model
@@ -286,12 +305,13 @@ def _running(model: Timeline) -> None:
 def load_timeline(log_dir: str | Path) -> Timeline:
     """:func:`build_timeline` of every ``events-*.jsonl`` under ``log_dir``."""
     from elastrun.observe.events import event_files, read_log_dir
+    from elastrun.observe.goodput_report import read_logs
 
     if not Path(log_dir).is_dir():
         raise FileNotFoundError(f"{log_dir} is not a directory")
     if not event_files(log_dir):
         raise FileNotFoundError(f"no events-*.jsonl files under {log_dir}; was the job run with --log-dir?")
-    return build_timeline(read_log_dir(log_dir))
+    return build_timeline(read_log_dir(log_dir), read_logs([log_dir]))
 
 
 def render_png(model: Timeline, path: str | Path, dpi: int = 120) -> Path:
@@ -319,6 +339,8 @@ def render_png(model: Timeline, path: str | Path, dpi: int = 120) -> Path:
         if width > span * 0.05:
             ax.text(a.start + width / 2, y, a.label, ha="center", va="center", fontsize=8.5, color="white",
                     fontweight="bold", clip_on=True)
+    if model.goodput is not None:
+        draw_strips(ax, model.goodput, y_of, model.nproc, top=_BAR / 2 + 0.03, height=0.24)
     for m in model.marks:
         # Faults sit on the bar's top edge with their label above; recoveries on the bottom edge, label below.
         marker, colour, _ = MARK_STYLES[m.kind]
@@ -330,7 +352,7 @@ def render_png(model: Timeline, path: str | Path, dpi: int = 120) -> Path:
             right = m.t > span * 0.8  # near the right edge: label to the left of the mark
             ax.text(m.t + span * (-0.006 if right else 0.006), y + (-0.06 if below else 0.06), m.label,
                     fontsize=7.5, color=colour, va="top" if below else "bottom", ha="right" if right else "left",
-                    zorder=6)
+                    zorder=6, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.7, "pad": 0.5})
     for r in model.rounds:
         for axis in (ax, ax_w):
             axis.axvline(r.t, color="#bbbbbb", linewidth=0.8, linestyle=":", zorder=0)
@@ -341,9 +363,11 @@ def render_png(model: Timeline, path: str | Path, dpi: int = 120) -> Path:
     ax.grid(axis="x", color="#eeeeee")
     ax.set_axisbelow(True)
     failures = len(model.marks_of("failure"))
+    good = "" if model.goodput is None or model.goodput.ratio is None else \
+        f", goodput {100 * model.goodput.ratio:.1f} %"
     ax.set_title(
         f"elastrun job {model.run_id}: {len(lanes)} node(s), {len(model.rounds)} round(s), "
-        f"{failures} worker failure(s), {len(model.marks_of('node_lost'))} node(s) lost",
+        f"{failures} worker failure(s), {len(model.marks_of('node_lost'))} node(s) lost{good}",
         fontsize=11, loc="left",
     )
     if model.world_size:
@@ -367,6 +391,11 @@ def render_png(model: Timeline, path: str | Path, dpi: int = 120) -> Path:
     handles += [Line2D([], [], marker=s[0], color=s[1], linestyle="none", markersize=8, label=s[2])
                 for k, s in MARK_STYLES.items() if model.marks_of(k)]
     handles.append(Line2D([], [], color="#bbbbbb", linestyle=":", label="round closed (R<n>)"))
+    if model.goodput is not None:
+        from elastrun.observe.goodput_report import SHORT
+
+        handles += [Patch(color=CAUSE_COLOURS[c], label=f"slot time: {'goodput' if c == 'good' else SHORT[c]}")
+                    for c in legend_causes(model.goodput)]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.subplots_adjust(left=0.14, right=0.78, top=0.93, bottom=0.1)
     path = Path(path)

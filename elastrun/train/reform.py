@@ -3,7 +3,7 @@
 Without this, elastrun answers a change (another worker failed, a node was lost, a node joins)
 by killing every worker and starting new ones.  A script that puts its training body in a
 function and hands it to :func:`run` opts in to *re-forms* instead: when its agent says
-``pause`` (see :mod:`elastrun.workers.control`), the training thread leaves whatever it was
+``pause`` (see :mod:`elastrun.inworker.control`), the training thread leaves whatever it was
 doing, the default process group is torn down, the worker waits for the new round's environment,
 joins the new group with its new rank and world size, rolls its state back to the last commit
 agreed by every rank (``State.restore()``, from its own objects where it can) and calls ``fn``
@@ -40,10 +40,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
+from elastrun.inworker import heartbeat, pg_guard
+from elastrun.inworker.control import ControlClient
+from elastrun.protocol import WAIT_ENV, Assign, Failed, Pause, Paused, Reformed, ToAgent, ToWorker
 from elastrun.train import notes
 from elastrun.train.dist import DistInfo, init_distributed
-from elastrun.workers import heartbeat, pg_guard
-from elastrun.workers.control import WAIT_ENV, ControlClient
+from elastrun.train.reformable import Reformable
 
 if TYPE_CHECKING:
     from elastrun.train.state import State
@@ -169,7 +171,7 @@ class Link:
         self.sockets = GroupSockets()
         self._cond = threading.Condition()
         self.pause_pending = False
-        self._assign: dict[str, Any] | None = None
+        self._assign: Assign | None = None
         self.closed = False
         #: Whether the training thread runs the user's function (where a Reform may be raised).
         self.in_fn = False
@@ -200,21 +202,21 @@ class Link:
             signal.signal(INTERRUPT_SIGNAL, self._previous_handler)
             self._previous_handler = None
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: ToAgent) -> None:
         if self._client is not None:
             self._client.send(message)
 
     # -- reader thread -------------------------------------------------------------------------
-    def _on_message(self, message: dict[str, Any] | None) -> None:
+    def _on_message(self, message: ToWorker | None) -> None:
         with self._cond:
             if message is None:
                 self.closed = True
-            elif message.get("type") == "pause":
+            elif isinstance(message, Pause):
                 self.pause_pending = True
-            elif message.get("type") == "assign":
+            elif isinstance(message, Assign):
                 self._assign = message
             self._cond.notify_all()
-        if message is not None and message.get("type") == "pause":
+        if isinstance(message, Pause):
             self.sockets.shutdown()
             if self._previous_handler is not None and self._main is not None:
                 try:
@@ -253,9 +255,9 @@ class Link:
         """Tell the agent this worker left its group (clears the pause flag)."""
         with self._cond:
             self.pause_pending = False
-        self.send({"type": "paused", "live": live, "pid": os.getpid()})
+        self.send(Paused(live=live, pid=os.getpid()))
 
-    def wait_assign(self) -> dict[str, Any]:
+    def wait_assign(self) -> Assign:
         """The new round's assignment (waits as long as the agent needs; it kills us otherwise)."""
         with self._cond:
             while self._assign is None:
@@ -365,27 +367,27 @@ def run(fn: Callable[[State], T], state: State, backend: str | None = None, time
         link.close()
 
 
-def _reform(link: Link, state: State, backend: str | None, timeout_s: float, reason: str) -> None:
+def _reform(link: Link, state: Reformable, backend: str | None, timeout_s: float, reason: str) -> None:
     """Leave the group, take the agent's new assignment, join the new group and roll back."""
     for _ in range(1000):  # each pass is one pause from the agent; bounded by its restarts anyway
         left = False
         try:
             _leave_group(link)
-            link.paused(state._live_step())
+            link.paused(state.live_step())
             left = True
             message = link.wait_assign()
             t0 = time.monotonic()
-            os.environ.update({k: str(v) for k, v in message["env"].items()})
+            os.environ.update(message.env)
             heartbeat.reset()
             _init(link, backend, timeout_s)
-            state._rebind()
+            state.rebind()
             source = state.restore()
-            link.send({"type": "reformed", "round": message.get("round"), "source": source,
-                       "step": state.step, "took": round(time.monotonic() - t0, 4), "after": reason})
+            link.send(Reformed(round=message.round, source=source, step=state.step,
+                               took=round(time.monotonic() - t0, 4), after=reason))
             return
         except BaseException as exc:
             if left and link.pause_pending and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 continue  # another change came while this one was being made: go round again
-            link.send({"type": "failed", "error": "".join(traceback.format_exception_only(exc)).strip()[:2000]})
+            link.send(Failed(error="".join(traceback.format_exception_only(exc)).strip()[:2000]))
             raise
     raise RuntimeError("elastrun.train: too many re-forms in a row")

@@ -76,6 +76,14 @@ class ElasticSampler:
         #: it to apply restored RNG states after the DataLoader has drawn its base seed).
         self._before_first_batch: Callable[[], None] | None = None
 
+    def before_first_batch(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` once, just before the next iterator hands out its first batch.
+
+        ``State.restore()`` applies the restored RNG states there mid-epoch: a DataLoader draws its
+        base seed from torch's generator when it creates an iterator, which is after the restore.
+        """
+        self._before_first_batch = hook
+
     # -- arithmetic -------------------------------------------------------------------------
     def world(self) -> tuple[int, int]:
         """``(world_size, rank)`` used for the next iterator."""

@@ -26,12 +26,15 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from elastrun.inworker.heartbeat import heartbeat
+from elastrun.observe import steplog
 from elastrun.train import dist as edist
 from elastrun.train import notes, reform, rng
 from elastrun.train.background import BackgroundJob
@@ -39,11 +42,12 @@ from elastrun.train.blob import copy_into, flatten, make_header, materialize
 from elastrun.train.checkpoint import CheckpointCorrupt, CheckpointDir, DiskCandidate
 from elastrun.train.copier import SnapshotCopy
 from elastrun.train.plan import Plan, Report, make_plan
+from elastrun.train.reformable import Reformable
 from elastrun.train.sampler import ElasticSampler
 from elastrun.train.snapshot import RNG_KEEP, MemorySnapshots, SlotInfo
-from elastrun.workers.heartbeat import heartbeat
 
-_RESERVED = {"step", "commit", "restore", "checkpoint", "flush", "close", "extras", "preempted", "last_restore"}
+_RESERVED = {"step", "commit", "restore", "checkpoint", "flush", "close", "extras", "preempted", "last_restore",
+             "live_step", "rebind"}
 
 
 @dataclass
@@ -83,7 +87,7 @@ def _snapshot_dir(explicit: str | Path | None) -> tuple[Path, bool]:
     return Path(tempfile.mkdtemp(prefix="elastrun-snap-", dir=base)), True
 
 
-class State:
+class State(Reformable):
     """Everything a training job must get back after a crash, a restart or a resize.
 
     ``model`` (plain or DDP-wrapped), ``optimizer`` and ``sampler`` are saved with their
@@ -157,6 +161,7 @@ class State:
         #: What the last ``restore()`` returned on this rank (None: nothing restored yet, or a fresh start).
         self.last_restore: str | None = None
         self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) if optimizer else None
+        self._steplog = steplog.writer()  # when each step ran and was committed, for goodput
         if handle_signals:
             self._install_signal_handler()
         atexit.register(self.close)
@@ -245,7 +250,7 @@ class State:
             self._live = _Live(self.step, self._world_size, payload, self._aux())
             self._dirty = False
 
-    def _live_step(self) -> int | None:
+    def live_step(self) -> int | None:
         """The committed step this process's objects can roll back to without a copy, or None (torn)."""
         if self._live is None or self._dirty:
             return None
@@ -270,7 +275,7 @@ class State:
                     b.copy_(saved)
         self.step = live.step
 
-    def _rebind(self) -> None:
+    def rebind(self) -> None:
         """Take the rank and world size of the new process group (after a re-form)."""
         self._rank, self._world_size, self._local_rank = _world()
 
@@ -293,8 +298,10 @@ class State:
         Cheap on the training thread; on pre-emption (SIGTERM) it makes a durable checkpoint of
         this step on every rank and then exits this process with status 0.
         """
+        entered = time.time()
         with reform.section():
             self._commit()
+            self._steplog.step(self.step, entered)  # inside: a re-form raised on leaving must not lose it
 
     def _commit(self) -> None:
         self._drain()
@@ -390,6 +397,7 @@ class State:
         must call it, e.g. at the end of training)."""
         if self._ckpt is None:
             raise RuntimeError("State.checkpoint() needs a checkpoint_dir")
+        began = time.time()
         self._drain()
         self._persister.wait()
         if self._writes_shared and not any(i.step == self.step for i in self._mem.scan()):
@@ -404,18 +412,21 @@ class State:
             ckpt, step, rank = self._ckpt, self.step, self._rank
             self._persister.submit(lambda: ckpt.write_rng(step, rank, payload))
         self._persister.wait()
+        self._steplog.blocked(began)
 
     def flush(self) -> None:
         """Block until the last commit's memory snapshot (and any durable checkpoint) is written."""
+        began = time.time()
         self._drain()
         self._persister.wait()
+        self._steplog.blocked(began)
 
     # -- restore ---------------------------------------------------------------------------------
     def _report(self) -> tuple[Report, dict[int, SlotInfo], dict[int, DiskCandidate]]:
         slots = {i.step: i for i in self._mem.scan()}
         disk = {c.step: c for c in self._ckpt.scan(warn=self._rank == 0)} if self._ckpt else {}
         mem_rng = self._mem.scan_rng()
-        live = self._live_step()
+        live = self.live_step()
         if live is not None:  # this rank's own RNG states of its live step, held in memory
             mem_rng[self._rank] = sorted({*mem_rng.get(self._rank, ()), live})
         report = Report(
@@ -436,8 +447,10 @@ class State:
         ``elastrun.train.run`` only): this process's own objects, rolled back without a copy.
         Collective: every rank must call it.
         """
+        began = time.time()
         with reform.section():
             self.last_restore = self._restore()
+            self._steplog.restored(began, self.step, self.last_restore)
         return self.last_restore
 
     def _restore(self) -> str | None:
@@ -479,7 +492,7 @@ class State:
 
     def _fetch(self, plan: Plan, slots: dict[int, SlotInfo], disk: dict[int, DiskCandidate]) -> Any:
         """The state tree of ``plan.step`` on this rank, ``_USE_LIVE``, or None when it could not be read."""
-        live = self._live_step() == plan.step
+        live = self.live_step() == plan.step
         if plan.source in ("memory", "live"):
             if live:
                 return _USE_LIVE
@@ -519,7 +532,7 @@ class State:
     def _restore_rng(self, plan: Plan, disk: dict[int, DiskCandidate]) -> None:
         """Gather each rank's RNG state from whoever holds it, then apply (or derive) it."""
         mine: dict[int, bytes] = {}
-        live = self._live if self._live_step() == plan.step else None
+        live = self._live if self.live_step() == plan.step else None
         for k, holder in plan.rng_holders.items():
             if holder != self._rank:
                 continue
@@ -551,7 +564,7 @@ class State:
         # uninterrupted run does that at the start of an epoch only, so mid-epoch the restored
         # states are applied after the new iterator has drawn, just before its first batch.
         if self._sampler is not None and self._sampler.position > 0:
-            self._sampler._before_first_batch = apply
+            self._sampler.before_first_batch(apply)
         else:
             apply()
 

@@ -22,6 +22,8 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastrun.workers.logs import tail_text
+
 
 @dataclass
 class WorkerLaunch:
@@ -81,6 +83,8 @@ class WorkerHandle(abc.ABC):
 
     pid: int
     launch: WorkerLaunch
+    #: How the worker was started, for the event log ("exec", "fork-pool").
+    start_method: str = ""
 
     @abc.abstractmethod
     def poll(self) -> ExitStatus | None:
@@ -108,6 +112,17 @@ class WorkerHandle(abc.ABC):
             if remaining == 0.0:
                 return None
             select.select([self.fileno()], [], [], remaining if remaining is not None else 1.0)
+
+    def set_console_prefix(self, prefix: str) -> None:
+        """Prefix the worker's later console lines with ``prefix`` (a worker kept across a re-form
+        gets a new rank); a no-op for a worker whose output does not pass through the agent."""
+
+    def stderr_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines the worker wrote to stderr ("" if none are known).
+
+        For an ended worker, call it after :meth:`close`, which waits until its output is all read.
+        """
+        return tail_text(None, self.launch.stderr_path, lines)
 
     def close(self) -> None:
         """Release descriptors and log pumps.  Only after the worker has been reaped."""

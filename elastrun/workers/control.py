@@ -1,4 +1,4 @@
-"""The control channel between an agent and the workers that opted in to in-process re-forms.
+"""The agent's end of the control channel to the workers that opted in to in-process re-forms.
 
 A worker started by elastrun finds ``ELASTRUN_CONTROL_SOCKET`` in its environment: a Unix
 socket the agent listens on in its runtime directory.  A script that runs its training through
@@ -7,73 +7,89 @@ worker for a change elsewhere, asks it to leave its process group and waits for 
 environment (see docs/train.md, "In-process re-form").  Workers that never connect are handled
 as before: killed and started again.
 
-Messages are JSON objects, one per line, each with a ``type``:
-
-- worker → agent: ``hello`` (``pid``, ``local_rank``), ``paused`` (it left its group; ``live``:
-  the step its objects hold, or null), ``reformed`` (``round``, ``source``), ``failed`` (``error``);
-- agent → worker: ``pause`` (leave the current group now), ``assign`` (``env``: the new round's
-  worker environment, ``round``).
+The messages are the dataclasses of :mod:`elastrun.protocol`: ``Hello``, ``Paused``, ``Reformed``
+and ``Failed`` from a worker, ``Pause`` and ``Assign`` to it.  A connection that sends anything
+else (not JSON, an unknown type, a wrong field, a message before its ``Hello``) is refused: the
+agent says why and closes it, and that worker is restarted instead of re-formed at the next change.
 
 The agent side (:class:`ControlServer`) never blocks: it is pumped from the agent's ``select``
-loop.  The worker side (:class:`ControlClient`) reads on a daemon thread and hands messages to
-a callback, so a ``pause`` reaches a training thread that is blocked in a collective.
+loop.  The worker side (:class:`elastrun.inworker.control.ControlClient`) reads on a daemon
+thread and hands messages to a callback, so a ``pause`` reaches a training thread that is
+blocked in a collective.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import abc
 import select
 import socket
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
-#: Environment variables the agent gives every worker.
-SOCKET_ENV = "ELASTRUN_CONTROL_SOCKET"
-#: Seconds a worker whose group broke on its own (a peer's connection closed) waits for its agent.
-WAIT_ENV = "ELASTRUN_REFORM_WAIT"
-_MAX_LINE = 1 << 20
+from elastrun import log
+from elastrun.protocol import TO_AGENT, Hello, LineReader, ProtocolError, ToAgent, ToWorker, encode
 
-
-def _encode(message: dict[str, Any]) -> bytes:
-    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+M = TypeVar("M", bound=ToAgent)
+_log = log.get("agent")
 
 
-class _Lines:
-    """Splits a byte stream into JSON messages."""
+class ControlChannel(abc.ABC):
+    """What the agent's re-form session needs from the channel to its workers, addressed by PID.
 
-    def __init__(self) -> None:
-        self._buf = b""
+    :class:`ControlServer` is the real one; a unit test may give the session a stand-in.  Example::
 
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
-        self._buf += data
-        out = []
-        while b"\n" in self._buf:
-            line, self._buf = self._buf.split(b"\n", 1)
-            try:
-                message = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(message, dict):
-                out.append(message)
-        if len(self._buf) > _MAX_LINE:
-            self._buf = b""
-        return out
+        if channel.connected(pid) and channel.send(pid, Pause()):
+            answers = channel.wait_for([pid], (Paused, Failed), timeout=5.0)
+    """
+
+    #: Where workers connect (given to them as ``ELASTRUN_CONTROL_SOCKET``).
+    path: Path
+
+    @abc.abstractmethod
+    def filenos(self) -> list[int]:
+        """Descriptors to include in the agent's ``select``."""
+
+    @abc.abstractmethod
+    def pump(self, timeout: float = 0.0) -> None:
+        """Take in what arrived, waiting at most ``timeout`` for something."""
+
+    @abc.abstractmethod
+    def connected(self, pid: int) -> bool:
+        """Whether the worker with this PID said hello and is still connected."""
+
+    @abc.abstractmethod
+    def send(self, pid: int, message: ToWorker) -> bool:
+        """Send one message to a worker; False if it is not connected (or the send failed)."""
+
+    @abc.abstractmethod
+    def take(self, pid: int, kind: type[M]) -> M | None:
+        """Remove and return the oldest message of class ``kind`` from this worker, if any."""
+
+    @abc.abstractmethod
+    def wait_for(self, pids: list[int], kinds: tuple[type[ToAgent], ...], timeout: float) -> dict[int, ToAgent]:
+        """Wait (bounded) until each worker sent one message of one of ``kinds`` or disconnected;
+        the message by PID of those that answered."""
+
+    @abc.abstractmethod
+    def forget(self, pid: int) -> None:
+        """Close the connection of a worker that is being killed."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close every connection and stop listening."""
 
 
 class _Peer:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.lines = _Lines()
+        self.lines = LineReader(TO_AGENT)
         self.pid: int | None = None
         self.local_rank: int | None = None
 
 
-class ControlServer:
-    """The agent's end: accepts workers' connections, keeps each one's messages by PID."""
+class ControlServer(ControlChannel):
+    """The agent's end: accepts workers' connections on a Unix socket, keeps each one's messages by PID."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -87,7 +103,7 @@ class ControlServer:
         self._listener.setblocking(False)
         self._peers: dict[int, _Peer] = {}  # by descriptor
         #: Messages received from each hello'd worker (by PID), oldest first.
-        self.inbox: dict[int, list[dict[str, Any]]] = {}
+        self.inbox: dict[int, list[ToAgent]] = {}
 
     def filenos(self) -> list[int]:
         """Descriptors to include in the agent's ``select``."""
@@ -124,12 +140,22 @@ class ControlServer:
             self._drop(peer)
             return
         for message in peer.lines.feed(data):
-            if message.get("type") == "hello" and isinstance(message.get("pid"), int):
-                peer.pid = message["pid"]
-                peer.local_rank = message.get("local_rank")
+            if isinstance(message, Hello):
+                peer.pid = message.pid
+                peer.local_rank = message.local_rank
                 self.inbox[peer.pid] = []
-            elif peer.pid is not None:
+            elif isinstance(message, ProtocolError) or peer.pid is None:
+                self._refuse(peer, message if isinstance(message, ProtocolError)
+                             else ProtocolError(f"{message.kind!r} message before the connection's 'hello'"))
+                return
+            else:
                 self.inbox.setdefault(peer.pid, []).append(message)
+
+    def _refuse(self, peer: _Peer, error: ProtocolError) -> None:
+        who = "a worker" if peer.pid is None else f"worker {peer.pid} (local rank {peer.local_rank})"
+        _log.warning(f"{who} sent a control message elastrun does not understand: {error}; closing its control "
+                     "connection (it will be restarted, not re-formed, at the next change)")
+        self._drop(peer)
 
     def _drop(self, peer: _Peer) -> None:
         self._peers.pop(peer.sock.fileno(), None)
@@ -144,12 +170,12 @@ class ControlServer:
         """Whether the worker with this PID has said hello and is still connected."""
         return self._peer(pid) is not None
 
-    def send(self, pid: int, message: dict[str, Any]) -> bool:
+    def send(self, pid: int, message: ToWorker) -> bool:
         """Send one message to a worker; False if it is not connected (or the send failed)."""
         peer = self._peer(pid)
         if peer is None:
             return False
-        data = _encode(message)
+        data = encode(message)
         deadline = time.monotonic() + 2.0
         while data:
             try:
@@ -165,21 +191,21 @@ class ControlServer:
             data = data[sent:]
         return True
 
-    def take(self, pid: int, kind: str) -> dict[str, Any] | None:
-        """Remove and return the oldest message of type ``kind`` from this worker, if any."""
+    def take(self, pid: int, kind: type[M]) -> M | None:
+        """Remove and return the oldest message of class ``kind`` from this worker, if any."""
         box = self.inbox.get(pid, [])
         for i, message in enumerate(box):
-            if message.get("type") == kind:
-                return box.pop(i)
+            if isinstance(message, kind):
+                return box.pop(i)  # type: ignore[return-value]
         return None
 
-    def wait_for(self, pids: list[int], kinds: tuple[str, ...], timeout: float) -> dict[int, dict[str, Any]]:
+    def wait_for(self, pids: list[int], kinds: tuple[type[ToAgent], ...], timeout: float) -> dict[int, ToAgent]:
         """Wait (bounded) until each worker sent one message of one of ``kinds`` or disconnected.
 
         Returns the message by PID for those that answered; the others are missing.
         """
         deadline = time.monotonic() + timeout
-        answers: dict[int, dict[str, Any]] = {}
+        answers: dict[int, ToAgent] = {}
         while True:
             for pid in pids:
                 if pid in answers:
@@ -209,62 +235,3 @@ class ControlServer:
             self.path.unlink()
         except FileNotFoundError:
             pass
-
-
-class ControlClient:
-    """The worker's end: one connection to its agent, read on a daemon thread.
-
-    ``on_message`` runs on that thread for every message from the agent; ``None`` signals that
-    the agent closed the connection.
-    """
-
-    def __init__(self, path: str, on_message: Callable[[dict[str, Any] | None], None]) -> None:
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.connect(path)
-        self._send_lock = threading.Lock()
-        self._on_message = on_message
-        self._thread = threading.Thread(target=self._read, name="elastrun-control", daemon=True)
-
-    @classmethod
-    def from_env(cls, on_message: Callable[[dict[str, Any] | None], None]) -> ControlClient | None:
-        """Connect to the agent named in ``ELASTRUN_CONTROL_SOCKET``; None outside elastrun."""
-        path = os.environ.get(SOCKET_ENV)
-        if not path:
-            return None
-        try:
-            return cls(path, on_message)
-        except OSError:
-            return None
-
-    def hello(self, local_rank: int) -> None:
-        """Say who this worker is, then start reading the agent's messages."""
-        self.send({"type": "hello", "pid": os.getpid(), "local_rank": local_rank})
-        self._thread.start()
-
-    def send(self, message: dict[str, Any]) -> bool:
-        with self._send_lock:
-            try:
-                self._sock.sendall(_encode(message))
-            except OSError:
-                return False
-        return True
-
-    def _read(self) -> None:
-        lines = _Lines()
-        while True:
-            try:
-                data = self._sock.recv(65536)
-            except OSError:
-                data = b""
-            if not data:
-                self._on_message(None)
-                return
-            for message in lines.feed(data):
-                self._on_message(message)
-
-    def close(self) -> None:
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()

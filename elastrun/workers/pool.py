@@ -3,7 +3,7 @@
 ``import torch`` costs about 2.5 s on two cores and the first DDP model pulls in
 ``torch._dynamo`` for 2 to 4 s more; torchrun pays that in every worker, at every restart, all
 workers at once on the same cores.  :class:`PoolStarter` pays it once per agent, in a template
-process (:mod:`elastrun.workers.template`) started by :meth:`PoolStarter.prepare` before the
+process (:mod:`elastrun.inworker.template`) started by :meth:`PoolStarter.prepare` before the
 rendezvous, and then forks each worker in milliseconds.
 
 How a forked worker stays a normal child of the agent:
@@ -39,8 +39,8 @@ from pathlib import Path
 
 from elastrun import log
 from elastrun.config import LaunchConfig
+from elastrun.prctl import child_subreaper, set_child_subreaper
 from elastrun.workers.api import WorkerHandle, WorkerLaunch, WorkerStarter
-from elastrun.workers.prctl import child_subreaper, set_child_subreaper
 from elastrun.workers.spawn import ChildHandle, ExecStarter, StreamSet
 
 #: ``--start-method`` values served by the pool (``fork``, the default); "spawn" execs every worker.
@@ -60,7 +60,7 @@ APPLIED_IN_WORKER = frozenset({"PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHON
 _BOOTSTRAP = (
     "import sys\n"
     "sys.path[0] = {root!r}\n"
-    "from elastrun.workers.template import main\n"
+    "from elastrun.inworker.template import main\n"
     "main(sys.argv[1:])\n"
 )
 
@@ -69,7 +69,7 @@ def template_environment(base: Mapping[str, str], nproc: int) -> dict[str, str]:
 
     ``OMP_NUM_THREADS`` is read by OpenMP and OpenBLAS when they load, so the template must load
     them with the value the workers get (1 when unset and several workers share the node, the
-    rule of :func:`elastrun.workers.env.worker_environment`).  It also keeps OpenBLAS from
+    rule of :func:`elastrun.agent.launches.worker_environment`).  It also keeps OpenBLAS from
     starting its thread pool in the template.
     """
     env = dict(base)

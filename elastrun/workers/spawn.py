@@ -21,10 +21,10 @@ from pathlib import Path
 
 from elastrun.log import CONSOLE_LOCK
 from elastrun.workers.api import ExitStatus, WorkerHandle, WorkerLaunch, WorkerStarter
-from elastrun.workers.logs import StreamPump
+from elastrun.workers.logs import StreamPump, tail_text
 
 # Runs under ``python -S``: set the parent-death signal (prctl(PR_SET_PDEATHSIG), spelled out: this
-# bare interpreter cannot import elastrun.workers.prctl), make sure the agent did not die before
+# bare interpreter cannot import elastrun.prctl), make sure the agent did not die before
 # that, then become the real worker.  argv: shim, agent_pid, program, args...
 _PDEATHSIG_SHIM = (
     "import ctypes,os,signal,sys\n"
@@ -127,9 +127,12 @@ class ChildHandle(WorkerHandle):
             except ProcessLookupError:
                 pass
 
-    @property
-    def stderr_pump(self) -> StreamPump:
-        return self.streams.err
+    def set_console_prefix(self, prefix: str) -> None:
+        self.streams.out.set_prefix(prefix)
+        self.streams.err.set_prefix(prefix)
+
+    def stderr_tail(self, lines: int = 20) -> str:
+        return tail_text(self.streams.err, self.launch.stderr_path, lines)
 
     def close(self) -> None:
         self.streams.join()

@@ -89,6 +89,16 @@ def test_status_of_a_two_node_job_before_and_after_a_node_loss(agents, tmp_path)
     assert f"-{other.pid}-" not in text.stdout
     assert host.proc.poll() is None, agents.outputs()
 
+    # With the job's --log-dir: goodput so far.  This script sends neither step records nor heartbeats,
+    # so it is not measured (docs/observe.md); the node loss is a fault all the same.
+    text = _status_cli(f"--rdzv-endpoint={endpoint}", "--rdzv-id=obs-status", f"--log-dir={tmp_path / 'logs'}")
+    assert text.returncode == 0 and "goodput so far: goodput not measured" in text.stdout, text.stdout + text.stderr
+    js = json.loads(_status_cli(f"--rdzv-endpoint={endpoint}", "--rdzv-id=obs-status", "--json",
+                                f"--log-dir={tmp_path / 'logs'}").stdout)
+    assert js["goodput"]["live"] is True and js["goodput"]["basis"] == "none", js["goodput"]
+    kinds = [f["kind"] for f in js["goodput"]["faults"]]
+    assert kinds in (["node_lost"], ["join", "node_lost"]), js["goodput"]  # the second node may join a round late
+
 
 def test_status_of_a_missing_job_or_store_is_one_line_and_exit_1(agents, tmp_path):
     # Nothing listens on this port: a one-line error, answered before torch is even imported.

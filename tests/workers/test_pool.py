@@ -23,8 +23,8 @@ import pytest
 
 from elastrun import log
 from elastrun.config import LaunchConfig
+from elastrun.protocol import exec_argv
 from elastrun.workers.api import WorkerLaunch
-from elastrun.workers.bootstrap import exec_argv
 from elastrun.workers.pool import PoolHandle, PoolStarter, select_starter
 from elastrun.workers.spawn import ChildHandle, ExecStarter
 
@@ -298,25 +298,60 @@ def test_python_api_launch_uses_the_pool(tmp_path, monkeypatch):
     assert results == {0: (os.getpid(), True), 1: (os.getpid(), True)}
 
 
-def test_cuda_driver_loaded_in_the_template_means_exec(probe, tmp_path, capfd, monkeypatch):
-    """A --preload that loads the CUDA driver (here: a library mapped under that name) must not be forked."""
-    import ctypes.util
+_STUB_DRIVER = """
+static int initialised;
+int cuInit(unsigned int flags) { (void)flags; initialised = 1; return 0; }
+int cuDeviceGetCount(int *count) { if (!initialised) return 3; *count = 0; return 0; }
+"""
 
-    libm = ctypes.util.find_library("m")
-    assert libm, "no libm to stand in for the driver library's name"
-    fake = tmp_path / "libcuda.so.1"
-    fake.write_bytes(Path(next(p for p in (f"/lib/x86_64-linux-gnu/{libm}", f"/usr/lib/{libm}", f"/lib64/{libm}")
-                               if Path(p).exists())).read_bytes())
-    (tmp_path / "loads_driver.py").write_text(f"import ctypes\nctypes.CDLL({str(fake)!r})\n")
+
+@pytest.fixture(scope="module")
+def stub_driver(tmp_path_factory) -> Path:
+    """A stand-in for the NVIDIA driver library, named as it is: it answers as the real one does
+    before and after ``cuInit`` (``CUDA_ERROR_NOT_INITIALIZED``, then success)."""
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in driver library")
+    folder = tmp_path_factory.mktemp("driver")
+    (folder / "stub.c").write_text(_STUB_DRIVER)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(folder / "libcuda.so.1"), str(folder / "stub.c")],
+                   check=True, capture_output=True, timeout=60)
+    return folder / "libcuda.so.1"
+
+
+def _pool_with_preload(tmp_path, monkeypatch, probe, preload: str, name: str):
+    """Start a template whose --preload module runs ``preload``; run one worker through it."""
+    (tmp_path / f"{name}.py").write_text(preload)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{ROOT}")
     log.configure()  # the default console level (an earlier launch() in this process may have set -q)
-    starter = PoolStarter(LaunchConfig(entrypoint="probe.py", preload=["loads_driver"]))
+    starter = PoolStarter(LaunchConfig(entrypoint="probe.py", preload=[name]))
     starter.prepare()
     try:
-        handle, status = run_to_end(starter, make_launch(tmp_path, probe, "cuda",
-                                                         env={"PYTHONPATH": os.environ["PYTHONPATH"]}))
-        assert isinstance(handle, ChildHandle) and not isinstance(handle, PoolHandle)
-        assert status.exitcode == 0
-        assert "CUDA was initialised in the template" in capfd.readouterr().err
+        return run_to_end(starter, make_launch(tmp_path, probe, name, env={"PYTHONPATH": os.environ["PYTHONPATH"]}))
     finally:
         starter.close()
+
+
+def test_cuda_driver_mapped_but_not_initialised_keeps_the_pool(probe, stub_driver, tmp_path, capfd, monkeypatch):
+    """CUDA builds of torch map the driver at ``import torch`` without ``cuInit``: still safe to fork.
+
+    (Before this was known, every GPU host lost the warm pool: the workers were exec'd after the
+    template's imports, and a one-worker NCCL job started seconds later than under torchrun.)
+    """
+    handle, status = _pool_with_preload(tmp_path, monkeypatch, probe,
+                                        f"import ctypes\nctypes.CDLL({str(stub_driver)!r})\n", "maps_driver")
+    assert isinstance(handle, PoolHandle), capfd.readouterr().err
+    assert status.exitcode == 0
+    assert "CUDA was initialised" not in capfd.readouterr().err
+
+
+def test_cuda_driver_initialised_in_the_template_means_exec(probe, stub_driver, tmp_path, capfd, monkeypatch):
+    """A --preload that calls ``cuInit`` (torch would not know) must not be forked from."""
+    handle, status = _pool_with_preload(
+        tmp_path, monkeypatch, probe,
+        f"import ctypes\nassert ctypes.CDLL({str(stub_driver)!r}).cuInit(0) == 0\n", "inits_driver")
+    assert isinstance(handle, ChildHandle) and not isinstance(handle, PoolHandle)
+    assert status.exitcode == 0
+    assert "CUDA was initialised in the template" in capfd.readouterr().err

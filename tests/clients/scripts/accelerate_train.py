@@ -12,6 +12,7 @@ import argparse
 import os
 import time
 
+import step_times
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
@@ -54,12 +55,14 @@ def main() -> None:
 
     for epoch in range(first_epoch, args.epochs):
         model.train()
-        for x, y in train:
+        for i, (x, y) in enumerate(train):
+            t0 = step_times.begin()
             loss = torch.nn.functional.cross_entropy(model(x), y)
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
             time.sleep(args.step_seconds)
+            step_times.end(epoch, i, t0)
         model.eval()
         correct = total = 0
         for x, y in evaluate:

@@ -12,6 +12,7 @@ import argparse
 import os
 import time
 
+import step_times
 import torch
 import torch.nn.functional as F
 from torch.distributed import destroy_process_group, init_process_group
@@ -65,8 +66,10 @@ class Trainer:
         b_sz = len(next(iter(self.train_data))[0])
         print(f"[RANK{self.global_rank}] Epoch {epoch} | Batchsize: {b_sz} | Steps: {len(self.train_data)}")
         self.train_data.sampler.set_epoch(epoch)
-        for source, targets in self.train_data:
+        for i, (source, targets) in enumerate(self.train_data):
+            t0 = step_times.begin()
             self._run_batch(source, targets)
+            step_times.end(epoch, i, t0)
 
     def _save_snapshot(self, epoch: int) -> None:
         snapshot = {"MODEL_STATE": self.model.module.state_dict(), "EPOCHS_RUN": epoch + 1}

@@ -13,6 +13,7 @@ import os
 import time
 
 import pytorch_lightning as pl
+import step_times
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
@@ -27,6 +28,12 @@ class Regression(pl.LightningModule):
         x, y = batch
         time.sleep(self.step_seconds)
         return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def on_train_batch_start(self, _batch, _index) -> None:
+        self._t0 = step_times.begin()
+
+    def on_train_batch_end(self, _outputs, _batch, index) -> None:
+        step_times.end(self.current_epoch, index, self._t0)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)

@@ -17,6 +17,7 @@ import os
 import time
 from contextlib import contextmanager
 
+import step_times
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -154,12 +155,14 @@ def main() -> None:
         state.epoch = epoch
         sampler.set_epoch(epoch)
         model.train()
-        for x, y in train_loader:
+        for i, (x, y) in enumerate(train_loader):
+            t0 = step_times.begin()
             loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             time.sleep(args.step_seconds)
+            step_times.end(epoch, i, t0)
         model.eval()
         correct = torch.zeros(2)
         with torch.no_grad():

@@ -7,7 +7,8 @@ function raises, a JSON file at ``$TORCHELASTIC_ERROR_FILE``::
                  "timestamp": "1700000000"}}}
 
 ``elastrun.record`` writes the same shape, so either decorator works under elastrun and torchrun,
-and the agent reads the traceback back for its root-cause summary.
+and the agent reads the traceback back for its root-cause summary
+(:func:`elastrun.workers.reports.read_error_file`).
 """
 
 from __future__ import annotations
@@ -81,28 +82,3 @@ def record(fn: F) -> F:
             raise
 
     return wrapper  # type: ignore[return-value]
-
-
-def read_error_file(path: Path | str | None) -> tuple[str, float | None] | None:
-    """The (text, timestamp) of an error file, or None when absent or unreadable.
-
-    The text is the Python traceback when the file has one, else its message.
-    """
-    if path is None:
-        return None
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    message = data.get("message", data)
-    if isinstance(message, str):
-        return message, None
-    extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
-    text = extra.get("py_callstack") or message.get("message") or json.dumps(message)
-    stamp = extra.get("timestamp")
-    try:
-        timestamp = float(stamp) if stamp is not None else None
-    except ValueError:
-        timestamp = None
-    return str(text), timestamp

@@ -8,9 +8,10 @@ a worker whose heartbeats stop for longer than its hang timeout is dumped (fault
 SIGABRT) and killed.  A script that never calls ``heartbeat`` is never judged hung.
 
 The same channel carries one more fact: that the worker's script has returned, and with which
-exit code (:func:`report_exit`, called by :mod:`elastrun.workers.bootstrap`).  What the process
-does after that — interpreter teardown — cannot fail the job: the agent reads the code back with
-:func:`read_exit_report` and keeps it whatever signal or hang ends the process.
+exit code (:func:`report_exit`, called by :mod:`elastrun.inworker.bootstrap`).  What the process
+does after that — interpreter teardown — cannot fail the job: the agent reads the code back
+(:func:`elastrun.workers.reports.read_exit_report`) and keeps it whatever signal or hang ends the
+process.
 
 Example::
 
@@ -26,6 +27,8 @@ from __future__ import annotations
 import os
 import time
 
+from elastrun.protocol import HEARTBEAT_ENV, exit_report_path
+
 _MIN_INTERVAL = 0.05
 _fd: int | None = None
 _last = 0.0
@@ -40,7 +43,7 @@ def heartbeat() -> None:
         return
     _last = now
     if _fd is None:
-        path = os.environ.get("ELASTRUN_HEARTBEAT_FILE")
+        path = os.environ.get(HEARTBEAT_ENV)
         if not path:
             _fd = -1
             return
@@ -58,26 +61,12 @@ def heartbeat() -> None:
         pass
 
 
-def read_heartbeat(path: str) -> float | None:
-    """Modification time (``time.time()`` clock) of a heartbeat file, or None if none was written."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_mtime if st.st_size else None
-
-
-def exit_report_path(heartbeat_path: str) -> str:
-    """Where a worker reports its script's exit code, beside its heartbeat file."""
-    return heartbeat_path + ".exit"
-
-
 def report_exit(code: int) -> None:
     """Tell the agent the script returned with ``code`` (a no-op outside elastrun).
 
     Written to a temporary name and renamed, so the agent never reads half a report.
     """
-    path = os.environ.get("ELASTRUN_HEARTBEAT_FILE")
+    path = os.environ.get(HEARTBEAT_ENV)
     if not path:
         return
     final = exit_report_path(path)
@@ -88,26 +77,6 @@ def report_exit(code: int) -> None:
         os.replace(tmp, final)
     except OSError:
         pass
-
-
-def read_exit_report(heartbeat_path: str) -> tuple[int, float] | None:
-    """The exit code a worker's script returned with and when it was reported, or None if not yet."""
-    final = exit_report_path(heartbeat_path)
-    try:
-        with open(final, encoding="ascii") as fh:
-            code = int(fh.read().strip())
-        return code, os.stat(final).st_mtime
-    except (OSError, ValueError):
-        return None
-
-
-def clear_reports(heartbeat_path: str) -> None:
-    """Remove an earlier worker's heartbeat and exit report before a worker with these paths starts."""
-    for path in (heartbeat_path, exit_report_path(heartbeat_path)):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 def reset() -> None:

@@ -23,7 +23,7 @@ would fire when the intermediate child exits.
 
 The worker is turned into what ``python -u SCRIPT ARGS`` would have been (see
 :func:`_become_worker`); then it runs the job and leaves through
-:func:`elastrun.workers.bootstrap.run_target`, exactly as an exec'd worker does (exit codes,
+:func:`elastrun.inworker.bootstrap.run_target`, exactly as an exec'd worker does (exit codes,
 atexit handlers, non-daemon threads, flushing, death by SIGINT after ``KeyboardInterrupt``, then
 ``os._exit`` past the interpreter's teardown).
 """
@@ -42,8 +42,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from elastrun.workers.bootstrap import run_target
-from elastrun.workers.prctl import set_parent_death_signal
+from elastrun.inworker.bootstrap import run_target
+from elastrun.prctl import set_parent_death_signal
 
 #: Imports every worker of a torch job pays: ``torch._dynamo`` comes with the first DDP model.
 BASE_IMPORTS = ("torch", "torch._dynamo", "torch.nn.parallel", "torch.distributed")
@@ -81,21 +81,54 @@ def _native_threads() -> int:
         return 1
 
 
-def _cuda_initialised() -> bool:
-    """Whether CUDA was set up in this process: by torch, or the driver loaded by anything else.
+#: What a CUDA driver API call returns before ``cuInit`` (``CUDA_ERROR_NOT_INITIALIZED``).
+_CUDA_ERROR_NOT_INITIALIZED = 3
 
-    A child forked after ``cuInit`` cannot use the GPU ("initialization error").  torch's own
-    flag covers its lazy init; the driver library being mapped covers a ``cuInit`` that torch
-    does not know about (``torch.cuda.is_available()`` without NVML, another library).
+
+def _mapped_driver() -> str | None:
+    """The path of the CUDA driver library mapped into this process, or None."""
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if "/libcuda.so" in line:
+                    return line.split(None, 5)[-1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _driver_initialised(path: str) -> bool:
+    """Whether the already mapped CUDA driver at ``path`` has been initialised (``cuInit`` called).
+
+    CUDA builds of torch map the driver library at ``import torch`` without initialising it (a
+    constructor of cuBLASLt opens it), so a mapped driver alone says nothing: forking is unsafe
+    only after ``cuInit``.  Before ``cuInit`` every driver call but a few answers
+    ``CUDA_ERROR_NOT_INITIALIZED`` and does nothing else; ``cuDeviceGetCount`` is asked.  The
+    library is reached with ``RTLD_NOLOAD`` (never loaded by this check); anything unexpected
+    counts as initialised, so a doubt costs the warm pool, never a broken GPU in a worker.
+    """
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        count = ctypes.c_int(0)
+        return driver.cuDeviceGetCount(ctypes.byref(count)) != _CUDA_ERROR_NOT_INITIALIZED
+    except (OSError, AttributeError):
+        return True
+
+
+def _cuda_initialised() -> bool:
+    """Whether CUDA was set up in this process: by torch, or by anything else that called ``cuInit``.
+
+    A child forked after ``cuInit`` cannot use the GPU ("initialization error").  torch's own flag
+    covers its lazy init; asking the mapped driver covers a ``cuInit`` that torch does not know
+    about (``torch.cuda.is_available()`` without NVML, another library).
     """
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return True
-    try:
-        with open("/proc/self/maps", encoding="ascii", errors="replace") as fh:
-            return any("/libcuda.so" in line for line in fh)
-    except OSError:
-        return False
+    path = _mapped_driver()
+    return path is not None and _driver_initialised(path)
 
 
 def _unsafe_reason() -> str | None:

@@ -1,0 +1,294 @@
+"""The local worker group: this node's workers of one round, from their start to the group's end.
+
+The group starts a round's workers (taking back those an in-process re-form kept), watches them
+(exits, the exit code each script reported before its interpreter's teardown, heartbeats), and
+ends itself: it kills the workers of failed ranks and every worker that cannot re-form, and pauses
+the others through the :class:`~elastrun.agent.reform.ReformSession`.  For a failure or a hang it
+builds the :class:`FailureRecord` the rendezvous keeps.  Rounds, signals and the rendezvous are the
+agent's (:mod:`elastrun.agent.agent`).
+
+Example (what the agent's loop does)::
+
+    group.start(result, launches.for_round(result))
+    while (end := group.check(result)) is None:
+        select(group.filenos() + ..., timeout)
+    if end.outcome is Outcome.FAILED: handler.report_failure(end.failure)
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+import time
+from dataclasses import dataclass, replace
+
+from elastrun.agent.hang import HangTracker
+from elastrun.agent.launches import link_kept_logs
+from elastrun.agent.reform import ReformSession
+from elastrun.agent.report import AgentReport
+from elastrun.config import LaunchConfig
+from elastrun.protocol import HEARTBEAT_ENV
+from elastrun.rendezvous.api import FailureRecord, RoundResult
+from elastrun.workers.api import ExitStatus, WorkerHandle, WorkerLaunch, WorkerStarter
+from elastrun.workers.reports import clear_reports, read_error_file, read_exit_report
+
+
+class Outcome(enum.Enum):
+    """How one worker group ended."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    MEMBERSHIP = "membership"
+    ABORTED = "aborted"
+    SIGNALED = "signaled"
+
+
+@dataclass
+class GroupEnd:
+    outcome: Outcome
+    failure: FailureRecord | None = None
+    reason: str = ""
+    detected_at: float = 0.0
+    exit_code: int = 1
+
+
+def _killed() -> ExitStatus:
+    return ExitStatus(exitcode=None, signal=signal.SIGKILL, timestamp=time.time())
+
+
+class WorkerGroup:
+    """This node's workers of the current round (see the module docstring)."""
+
+    def __init__(self, config: LaunchConfig, starter: WorkerStarter, session: ReformSession, report: AgentReport,
+                 node_id: str, hostname: str) -> None:
+        self.config = config
+        self.starter = starter
+        self.session = session
+        self.report = report
+        self.node_id = node_id
+        self.hostname = hostname
+        self.workers: list[WorkerHandle] = []
+        self.trackers: dict[int, HangTracker] = {}
+        #: How each worker that ended did (by local rank), as the job counts it.
+        self.statuses: dict[int, ExitStatus] = {}
+        #: Exit codes reported by the scripts of the current workers that have returned (by local rank).
+        self._exit_reports: dict[int, tuple[int, float]] = {}
+
+    # ------------------------------------------------------------------ start
+    def start(self, result: RoundResult, launches: list[WorkerLaunch]) -> None:
+        """Start the round's workers, handing kept (paused) workers their new launch instead."""
+        kept = self.session.take_kept()
+        self.workers, self.trackers, self.statuses, self._exit_reports = [], {}, {}, {}
+        for launch in launches:
+            local_rank = launch.local_rank
+            hb_path = launch.env[HEARTBEAT_ENV]
+            clear_reports(hb_path)
+            self.trackers[local_rank] = HangTracker(hb_path, self.config.hang_timeout, self.config.startup_timeout)
+            handle = kept.pop(local_rank, None)
+            if handle is not None and not self._reassign(handle, launch, result):
+                self._discard(handle)
+                handle = None
+            method = "kept"
+            if handle is None:
+                handle = self.starter.start(launch)
+                method = handle.start_method or self.starter.name
+                self.session.restarted(local_rank)
+            self.workers.append(handle)
+            self.report.worker_start(result, launch, handle.pid, method)
+        for handle in kept.values():  # local ranks the new round does not have
+            self._discard(handle)
+        self.session.assigned(result.round)
+
+    def _reassign(self, handle: WorkerHandle, launch: WorkerLaunch, result: RoundResult) -> bool:
+        """Hand a paused worker the new round (it keeps its process, error file and log files)."""
+        old = handle.launch
+        env = dict(launch.env)
+        env["TORCHELASTIC_ERROR_FILE"] = old.env.get("TORCHELASTIC_ERROR_FILE", env["TORCHELASTIC_ERROR_FILE"])
+        new = replace(launch, env=env, error_file=old.error_file, stdout_path=old.stdout_path,
+                      stderr_path=old.stderr_path)
+        if not self.session.assign(handle, env, result.round):
+            return False
+        handle.launch = new
+        link_kept_logs(old, launch)
+        handle.set_console_prefix(new.console_prefix)
+        return True
+
+    # ------------------------------------------------------------------ watch
+    def filenos(self) -> list[int]:
+        """The running workers' descriptors (readable once a worker exits)."""
+        return [h.fileno() for h in self.workers if h.launch.local_rank not in self.statuses]
+
+    def check(self, result: RoundResult) -> GroupEnd | None:
+        """Look at every worker once: how the group ended, or None while it runs."""
+        news = self.session.watch(self.workers)
+        for handle, failed in news.failed:
+            self.report.reform_failed(handle.launch.rank, failed.error)
+        if news.done is not None:
+            done = news.done
+            self.report.reform(result.round, time.monotonic() - done.detected_at, done.paused_in, sorted(done.kept),
+                               sorted(done.restarted), done.sources, done.step)
+        for handle in [h for h in self.workers if h.launch.local_rank not in self.statuses]:
+            status = handle.poll()
+            if status is None:
+                status = self._teardown_overdue(handle)
+            if status is not None:
+                status = self._judge_exit(result, handle, status)
+                self.statuses[handle.launch.local_rank] = status
+                self.report.worker_exit(result, handle, status)
+        failed = [(h, self.statuses[h.launch.local_rank]) for h in self.workers
+                  if h.launch.local_rank in self.statuses and not self.statuses[h.launch.local_rank].succeeded]
+        if failed:
+            detected = time.monotonic()
+            self.end({h.launch.local_rank for h, _ in failed}, detected)
+            failure = self._failure_record(result, failed)
+            self.report.worker_failed(failure)
+            return GroupEnd(Outcome.FAILED, failure, f"the failure of rank {failure.rank}", detected)
+        if len(self.statuses) == len(self.workers):
+            return GroupEnd(Outcome.SUCCEEDED)
+        hung = self._find_hang(result)
+        if hung is not None:
+            return self._end_for_hang(result, *hung)
+        return None
+
+    def _exit_report(self, handle: WorkerHandle) -> tuple[int, float] | None:
+        """The exit code the worker's script returned with (and when), once it has returned."""
+        local_rank = handle.launch.local_rank
+        report = self._exit_reports.get(local_rank)
+        if report is None:
+            report = read_exit_report(self.trackers[local_rank].path)
+            if report is not None:
+                self._exit_reports[local_rank] = report
+        return report
+
+    def _teardown_overdue(self, handle: WorkerHandle) -> ExitStatus | None:
+        """Kill a worker still alive ``--stop-timeout`` after its script returned; its status then.
+
+        Only the interpreter's exit is left to such a worker (threads, ``atexit``): a hang there
+        must not hold the job, whose work this worker has done.
+        """
+        report = self._exit_report(handle)
+        if report is None or time.time() - report[1] < self.config.stop_timeout:
+            return None
+        handle.send_signal(signal.SIGKILL)
+        return handle.wait(5.0)
+
+    def _judge_exit(self, result: RoundResult, handle: WorkerHandle, status: ExitStatus) -> ExitStatus:
+        """A worker's status as the job counts it: the script's own exit code once it has returned.
+
+        A signal death or an exit code that differs from the one the script returned with happened
+        in interpreter teardown (torch's process-group destructor races): warn, keep the script's
+        code, spend nothing.  Before the script returned, every death stays what it is.
+        """
+        report = self._exit_report(handle)
+        if report is None or (status.signal is None and status.exitcode == report[0]):
+            return status
+        self.report.teardown_fault(result, handle, status, report[0], time.time() - report[1])
+        return ExitStatus(exitcode=report[0], signal=None, timestamp=status.timestamp)
+
+    def _find_hang(self, result: RoundResult) -> tuple[WorkerHandle, str] | None:
+        now = time.time()
+        for handle in self.workers:
+            if handle.launch.local_rank in self.statuses or self._exit_report(handle) is not None:
+                continue
+            tracker = self.trackers[handle.launch.local_rank]
+            reason = tracker.check(now)
+            first_beat = tracker.take_first_beat()
+            if first_beat is not None:
+                self.report.worker_stepping(result, handle, first_beat, tracker.started)
+            if reason is not None:
+                return handle, reason
+        return None
+
+    def _end_for_hang(self, result: RoundResult, handle: WorkerHandle, reason: str) -> GroupEnd:
+        """Dump the hung worker's Python stacks (faulthandler on SIGABRT), end the group, record it."""
+        detected = time.monotonic()
+        self.session.pump()
+        reforming = self.session.opted_in(handle)
+        self.report.hang_detected(result, handle, reason, reforming)
+        if reforming:
+            # A worker blocked in a collective on a stopped or dead peer looks hung too: every worker
+            # is asked to leave its group; the ones that cannot are the hung ones (dumped, restarted).
+            kept = self.end(set(), detected, dump=True)
+            status = handle.poll() or (ExitStatus(exitcode=None, signal=None, timestamp=time.time())
+                                       if handle in kept else _killed())
+        else:
+            handle.send_signal(signal.SIGABRT)
+            handle.send_signal(signal.SIGCONT)
+            status = handle.wait(3.0) or _killed()
+            self.end({handle.launch.local_rank}, detected)
+        failure = self._failure_record(result, [(handle, status)])
+        failure.message = f"hang detected: {reason}\n{failure.message}"
+        return GroupEnd(Outcome.FAILED, failure, f"the hang of rank {handle.launch.rank}", detected)
+
+    def _failure_record(self, result: RoundResult, failed: list[tuple[WorkerHandle, ExitStatus]]) -> FailureRecord:
+        records = []
+        for handle, status in failed:
+            from_file = read_error_file(handle.launch.error_file)
+            if from_file is not None:
+                message = from_file[0]
+            else:
+                if handle.poll() is not None:  # a worker kept for a re-form keeps its streams
+                    handle.close()
+                message = handle.stderr_tail()
+            records.append(FailureRecord(node_id=self.node_id, hostname=self.hostname, rank=handle.launch.rank,
+                                         local_rank=handle.launch.local_rank, exitcode=status.exitcode,
+                                         signal=status.signal_name, timestamp=status.timestamp,
+                                         message=message[-8000:]))
+        first = min(records, key=lambda r: (r.timestamp, r.rank))
+        first.progress = any(t.made_progress() for t in self.trackers.values())
+        self.report.worker_failure(result, first)
+        return first
+
+    # ------------------------------------------------------------------ end
+    def end(self, doomed: set[int], detected_at: float, dump: bool = False) -> list[WorkerHandle]:
+        """End the group: kill the workers of ``doomed`` local ranks and every worker that cannot
+        re-form in process; pause the others (kept for the next round, returned).
+
+        ``dump``: a worker that was asked to leave and did not is sent SIGABRT first (its Python
+        stacks go to its stderr), as a hung worker is.
+        """
+        for handle in self.workers:
+            if handle.launch.local_rank in doomed and handle.poll() is None:
+                handle.send_signal(signal.SIGKILL)
+        candidates = [h for h in self.workers if h.launch.local_rank not in doomed]
+        kept, asked = self.session.pause(candidates, detected_at)
+        stuck = [h for h in asked if h not in kept and h.poll() is None]
+        if dump and stuck:
+            for handle in stuck:
+                handle.send_signal(signal.SIGABRT)
+                handle.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + 3.0
+            for handle in stuck:
+                handle.wait(max(0.0, deadline - time.monotonic()))
+        for handle in self.workers:
+            if handle not in kept:
+                self._discard(handle)
+        if kept and self.session.pending is not None:
+            self.report.workers_paused(sorted(h.launch.rank for h in kept), self.session.pending.paused_in)
+        return kept
+
+    def forward_signal(self, signum: int, grace: float) -> None:
+        """Send ``signum`` to every worker, wait up to ``grace`` seconds for them, then kill the rest."""
+        for handle in self.workers:
+            handle.send_signal(signum)
+        deadline = time.monotonic() + grace
+        for handle in self.workers:
+            handle.wait(max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def _discard(self, handle: WorkerHandle) -> None:
+        """Kill and reap one worker."""
+        self.session.forget(handle)
+        if handle.poll() is None:
+            handle.send_signal(signal.SIGKILL)
+        handle.wait(5.0)
+        handle.close()
+
+    def kill(self) -> None:
+        """SIGKILL every worker's process group and reap them."""
+        for handle in self.workers:
+            if handle.poll() is None:
+                handle.send_signal(signal.SIGKILL)
+        for handle in self.workers:
+            handle.wait(5.0)
+            handle.close()

@@ -1,0 +1,209 @@
+"""What an agent tells: each event of its log together with its console line, in one named method.
+
+The event log (``events-<node>.jsonl``, :mod:`elastrun.observe.events`) is read back by
+``elastrun timeline``, the metrics and the tests; the console lines are for the person watching.
+Both say the same things, so each happening has one method here that writes both, and the agent's
+code reads as what happens (``report.recovered(...)``), not as how it is written down.
+
+The last method the agent calls is :meth:`AgentReport.agent_exit`: the place for an end-of-job
+summary computed from the events (a listener on :attr:`AgentReport.events` sees every one).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from elastrun.agent.console import Console
+from elastrun.config import LaunchConfig
+from elastrun.observe.events import EventLog
+from elastrun.rendezvous.api import FailureRecord, RoundResult
+from elastrun.rendezvous.rounds import format_failure
+from elastrun.workers.api import ExitStatus, WorkerHandle, WorkerLaunch
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+class AgentReport:
+    """The agent's event log and console, one method per happening."""
+
+    def __init__(self, config: LaunchConfig, node_id: str, hostname: str, console: Console | None = None) -> None:
+        self.config = config
+        self.hostname = hostname
+        self.console = console or Console(node_id, quiet=config.quiet, verbose=config.verbose)
+        log_dir = Path(config.log_dir) if config.log_dir else None
+        path = log_dir / f"events-{node_id}.jsonl" if log_dir else None
+        self.events = EventLog(node_id, path, sys.stdout if config.event_log_stdout else None)
+        self._world: int | None = None  # the last round's world size, for scale_change
+
+    # -- the agent's life ------------------------------------------------------------------------
+    def agent_start(self, pid: int) -> None:
+        c = self.config
+        self.events.emit("agent_start", run_id=c.run_id, backend=c.rdzv_backend, min_nodes=c.min_nodes,
+                         max_nodes=c.max_nodes, nproc=c.nproc_per_node, pid=pid, hostname=self.hostname)
+
+    def agent_exit(self, code: int, reason: str, goodput: str | None = None) -> None:
+        """The agent's last word: its exit code and why, then this node's goodput line (once workers ran)."""
+        self.events.emit("agent_exit", exitcode=code, reason=reason)
+        if goodput:
+            self.console.info(goodput)
+
+    def close(self) -> None:
+        self.events.close()
+
+    def detail(self, message: str) -> None:
+        """A line for ``--verbose`` only (e.g. a clean-up step that failed harmlessly)."""
+        self.console.debug(message)
+
+    # -- rounds ----------------------------------------------------------------------------------
+    def round_start(self, after: RoundResult | None) -> None:
+        self.events.emit("round_start", after=after.round if after else None)
+
+    def round_closed(self, result: RoundResult) -> None:
+        """The round formed: its event, a scale change and lost nodes if any, and its console line."""
+        nproc = self.config.nproc_per_node
+        self.events.emit("round_closed", round=result.round, generation=result.generation,
+                         group_rank=result.group_rank, group_world_size=result.group_world_size,
+                         world_size=result.world_size, members=[m.node_id for m in result.members],
+                         duration=round(result.duration, 4), restarts_used=result.restarts_used,
+                         max_restarts=result.max_restarts)
+        if self._world is not None and self._world != result.world_size:
+            self.events.emit("scale_change", old_world_size=self._world, new_world_size=result.world_size)
+        self._world = result.world_size
+        if result.lost_nodes:
+            self.events.emit("node_lost", round=result.round, lost=result.lost_nodes, causes=result.lost_causes)
+        lost = f"; node(s) lost since the last round: {', '.join(result.lost_nodes)}" if result.lost_nodes else ""
+        ordered = sorted(result.members, key=lambda m: m.group_rank)
+        members = [f"{m.node_id} ({m.addr}) #{m.group_rank}" for m in ordered]
+        self.console.info(
+            f"round {result.round} formed in {result.duration:.2f} s: {result.group_world_size} node(s), "
+            f"world size {result.world_size}, this node is group rank {result.group_rank} "
+            f"(ranks {result.rank_offset}-{result.rank_offset + nproc - 1}); "
+            f"restarts used {result.restarts_used}/{result.max_restarts}{lost}",
+            detail=", ".join(members),
+        )
+
+    def restart(self, result: RoundResult, reason: str, nodes_waiting: int) -> None:
+        """A change elsewhere (lost or waiting nodes, another node's failure) ends this group."""
+        self.console.info(f"{reason}: stopping the local workers for a new round")
+        if nodes_waiting:
+            self.events.emit("nodes_waiting", round=result.round, count=nodes_waiting)
+        self.events.emit("restart", round=result.round, reason=reason, restarts_used=result.restarts_used,
+                         max_restarts=result.max_restarts)
+
+    def recovered(self, result: RoundResult, reason: str, took: float) -> None:
+        self.events.emit("recovered", round=result.round, reason=reason, duration=round(took, 4))
+        self.console.info(f"workers running again {took:.2f} s after {reason}")
+
+    def rendezvous_warning(self, message: str, fields: dict[str, Any]) -> None:
+        """The rendezvous saw something wrong but harmless (e.g. a forged value); its ``on_warning``."""
+        self.console.warn(message)
+        self.events.emit("rendezvous_warning", message=message, **fields)
+
+    def failure_not_recorded(self, error: Exception) -> None:
+        self.console.warn(f"could not record the failure in the rendezvous: {error}")
+
+    # -- the end of a job ------------------------------------------------------------------------
+    def job_failed(self, reason: str, exitcode: int | None = None) -> None:
+        """The job cannot go on (restarts spent, rendezvous lost or timed out)."""
+        self.console.error(reason)
+        if exitcode is None:
+            self.events.emit("job_failed", reason=reason)
+        else:
+            self.events.emit("job_failed", reason=reason, exitcode=exitcode)
+
+    def job_already_finished(self, message: str) -> None:
+        self.console.info(message)
+
+    def local_workers_done(self, count: int, world: int) -> None:
+        if world > 1:
+            self.console.info(f"all {count} local worker(s) finished; waiting for the other nodes")
+
+    def exit_barrier(self, all_done: bool, error: Exception | None = None) -> None:
+        if error is not None:
+            self.console.warn(f"exit barrier skipped: {error}")
+        if not all_done:
+            self.console.info("not every node finished with this one; this node's work is done")
+
+    # -- signals ---------------------------------------------------------------------------------
+    def signal_forwarded(self, signum: int, grace: float) -> None:
+        name = signal.Signals(signum).name
+        self.console.info(f"received {name}: forwarding it to the workers, {grace:g} s before SIGKILL")
+        self.events.emit("signal", signal=name, action="forward", grace=grace)
+
+    def signal_in_rendezvous(self, signum: int) -> None:
+        self.events.emit("signal", signal=signal.Signals(signum).name, action="left during rendezvous")
+
+    # -- workers ---------------------------------------------------------------------------------
+    def worker_start(self, result: RoundResult, launch: WorkerLaunch, pid: int, method: str) -> None:
+        self.events.emit("worker_start", round=result.round, generation=result.generation, rank=launch.rank,
+                         local_rank=launch.local_rank, pid=pid, start_method=method)
+
+    def worker_stepping(self, result: RoundResult, handle: WorkerHandle, first_beat: float, started: float) -> None:
+        """A worker's first heartbeat: the moment a (re)started worker steps again."""
+        self.events.emit("worker_stepping", round=result.round, generation=result.generation,
+                         rank=handle.launch.rank, local_rank=handle.launch.local_rank, pid=handle.pid,
+                         first_heartbeat=round(first_beat, 4), since_start=round(first_beat - started, 4))
+
+    def worker_exit(self, result: RoundResult, handle: WorkerHandle, status: ExitStatus) -> None:
+        self.events.emit("worker_exit", round=result.round, generation=result.generation, rank=handle.launch.rank,
+                         local_rank=handle.launch.local_rank, pid=handle.pid, exitcode=status.exitcode,
+                         signal=status.signal_name)
+
+    def teardown_fault(self, result: RoundResult, handle: WorkerHandle, status: ExitStatus, code: int,
+                       after: float) -> None:
+        """A worker died in interpreter teardown after its script returned ``code``: not a failure."""
+        rank = handle.launch.rank
+        self.console.warn(
+            f"rank {rank} {status.describe()} {after:.1f} s after its script returned with exit code {code}: "
+            f"a fault in interpreter teardown, not a failure; keeping exit code {code}"
+        )
+        self.events.emit("teardown_fault", round=result.round, rank=rank, local_rank=handle.launch.local_rank,
+                         exitcode=code, fault=status.describe(), after=round(after, 3))
+
+    def worker_failure(self, result: RoundResult, first: FailureRecord) -> None:
+        """The failure this node records for the round (the earliest of its failed workers)."""
+        self.events.emit("worker_failure", round=result.round, generation=result.generation, rank=first.rank,
+                         local_rank=first.local_rank, exitcode=first.exitcode, signal=first.signal,
+                         message=first.message[-2000:])
+        if self.config.verbose:
+            self.console.error(format_failure(first))
+
+    def worker_failed(self, failure: FailureRecord) -> None:
+        """The console line of a worker that exited with a failure: a new round follows."""
+        how = f"killed by {failure.signal}" if failure.signal else f"exit code {failure.exitcode}"
+        last = [line.strip() for line in failure.message.splitlines() if line.strip()]
+        cause = f": {last[-1].split(']: ', 1)[-1][:200]}" if last else ""
+        self.console.error(f"rank {failure.rank} on {self.hostname} failed ({how}){cause}; starting a new round")
+
+    def hang_detected(self, result: RoundResult, handle: WorkerHandle, reason: str, reforming: bool) -> None:
+        """A worker's heartbeats stopped: with ``reforming``, every worker is asked to leave its group first."""
+        rank = handle.launch.rank
+        self.events.emit("hang_detected", round=result.round, rank=rank, local_rank=handle.launch.local_rank,
+                         reason=reason)
+        if reforming:
+            self.console.error(f"rank {rank} is hung: {reason}; asking the workers to leave their group "
+                               "(a worker that cannot is dumped to its stderr and restarted)")
+        else:
+            self.console.error(f"rank {rank} is hung: {reason}; dumping its stack to its stderr and restarting")
+
+    # -- in-process re-forms ---------------------------------------------------------------------
+    def workers_paused(self, ranks: list[int], took: float) -> None:
+        self.console.info(f"rank(s) {_ranks(ranks)} left their group in {took:.2f} s "
+                          "and keep their process for the next round")
+
+    def reform_failed(self, rank: int, error: str) -> None:
+        self.console.warn(f"rank {rank} could not re-form: {error[-300:]}")
+
+    def reform(self, round_: int, took: float, paused_in: float, kept: list[int], restarted: list[int],
+               sources: list[str], step: int) -> None:
+        """Every kept worker re-formed in its process."""
+        self.events.emit("reform", round=round_, duration=round(took, 4), paused_in=round(paused_in, 4),
+                         kept=kept, restarted=restarted, sources=sources, step=step)
+        self.console.info(f"re-formed in process {took:.2f} s after the change: local rank(s) {_ranks(kept)} kept "
+                          "their process" + (f", {_ranks(restarted)} restarted" if restarted else "")
+                          + f" (state: {', '.join(sources)})")

@@ -1,0 +1,262 @@
+"""A job's history as goodput needs it: each node's worker groups, and the faults that ended them.
+
+:func:`nodes_of` reads one node's events into its groups (a round's workers, from the round
+closing to the group's end) and :func:`faults_of` groups every early end across nodes into
+:class:`Fault` objects, one per new round, with the fault's kind, time and detection.  Used by
+:mod:`elastrun.observe.goodput`, which classifies every second against them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastrun.observe.steplog import STEP, ProcessLog
+
+#: Agent events that end a worker group early (the node's detection of a fault or change).
+_ENDING = ("worker_failure", "hang_detected", "restart", "nodes_waiting", "signal")
+_SILENT_FOR = re.compile(r"no heartbeat for ([\d.]+) s")
+
+
+@dataclass
+class Fault:
+    """One fault or change that re-formed the job, and the badput it caused (device-seconds by cause)."""
+
+    index: int
+    kind: str  # worker_failure, node_lost, hang, join, signal, restart
+    at: float
+    detected: float
+    label: str
+    round: int | None
+    node: str = ""
+    rank: int | None = None
+    #: When every slot of the new group stepped again (restore returned / first heartbeat), or None.
+    back: float | None = None
+    cost: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.cost.values())
+
+
+@dataclass
+class Run:
+    """One slot's worker in one group."""
+
+    pid: Any
+    start: float
+    kept: bool
+    exit_at: float | None = None
+    ok: bool = False
+    first_beat: float | None = None
+
+
+@dataclass
+class Group:
+    """One round's workers on one node: from the round closing to the group's end (``how``: ok, fault, open)."""
+
+    round: int
+    rdzv_start: float
+    closed: float
+    end: float | None = None
+    how: str = "open"  # ok, fault, open
+    runs: dict[int, Run] = field(default_factory=dict)
+    fault: Fault | None = None  # the fault that ended it
+    after: Fault | None = None  # the fault that formed it
+
+
+@dataclass
+class Node:
+    """One agent's history: its events, its groups, and when its slots end (``end``: exit, loss or now)."""
+
+    node: str
+    nproc: int
+    start: float
+    exit: float | None
+    last_seen: float
+    events: list[dict[str, Any]]
+    groups: list[Group] = field(default_factory=list)
+    open_rdzv: float | None = None  # a round_start with no round_closed after it
+    end: float = 0.0
+    lost_at: float | None = None
+
+
+def nodes_of(events: list[dict[str, Any]]) -> dict[str, Node]:
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    for e in events:
+        by_node.setdefault(str(e.get("node")), []).append(e)
+    nodes = {}
+    for name, evs in by_node.items():
+        first = next((e for e in evs if e.get("event") == "agent_start"), evs[0])
+        exit_ev = next((e for e in evs if e.get("event") == "agent_exit"), None)
+        node = Node(name, int(first.get("nproc") or 1), float(first["ts"]),
+                     float(exit_ev["ts"]) if exit_ev else None, float(evs[-1]["ts"]), evs)
+        _groups(node)
+        nodes[name] = node
+    return nodes
+
+
+def _groups(node: Node) -> None:
+    rdzv: float | None = None
+    group: Group | None = None
+    for e in node.events:
+        kind, ts = e.get("event"), float(e["ts"])
+        if kind == "round_start":
+            if group is not None and group.end is None:
+                group.end, group.how = ts, "fault"
+            rdzv = ts
+        elif kind == "round_closed":
+            group = Group(int(e.get("round", 0)), rdzv if rdzv is not None else ts, ts)
+            node.groups.append(group)
+            rdzv = None
+        elif group is None:
+            continue
+        elif kind == "worker_start":
+            group.runs[int(e.get("local_rank", 0))] = Run(e.get("pid"), ts, e.get("start_method") == "kept")
+        elif kind == "worker_exit":
+            run = group.runs.get(int(e.get("local_rank", 0)))
+            if run is not None and run.exit_at is None:
+                run.exit_at, run.ok = ts, e.get("exitcode") == 0 and not e.get("signal")
+                if not run.ok and group.end is None:
+                    group.end, group.how = ts, "fault"
+        elif kind == "worker_stepping":
+            run = group.runs.get(int(e.get("local_rank", 0)))
+            if run is not None and run.first_beat is None:
+                run.first_beat = float(e.get("first_heartbeat", ts))
+        elif kind in _ENDING and group.end is None:
+            group.end, group.how = ts, "fault"
+        elif kind in ("agent_exit", "job_failed") and group.end is None:
+            if group.runs and all(r.ok for r in group.runs.values()):
+                group.end, group.how = max(r.exit_at or ts for r in group.runs.values()), "ok"
+            else:
+                group.end, group.how = ts, "fault"
+    node.open_rdzv = rdzv
+
+
+# ---------------------------------------------------------------------------------------- faults
+def faults_of(nodes: dict[str, Node], logs: dict[tuple[str, Any], ProcessLog]) -> list[Fault]:
+    """Group every early group end (and lost node) into faults, keyed by the round they led to."""
+    by_round: dict[int | None, list[tuple[Node, Group]]] = {}
+    for node in nodes.values():
+        for i, g in enumerate(node.groups):
+            if g.how != "fault":
+                continue
+            nxt = node.groups[i + 1].round if i + 1 < len(node.groups) else None
+            by_round.setdefault(nxt, []).append((node, g))
+    lost_in: dict[str, tuple[int, str]] = {}
+    for node in nodes.values():
+        for e in node.events:
+            if e.get("event") == "node_lost":
+                for n in e.get("lost") or []:
+                    lost_in.setdefault(str(n), (int(e.get("round", 0)), str((e.get("causes") or {}).get(n, ""))))
+    for name, (rnd, _) in lost_in.items():
+        node = nodes.get(name)
+        if node is not None and node.groups and node.groups[-1].end is None and node.exit is None:
+            by_round.setdefault(rnd, []).append((node, node.groups[-1]))
+    faults = []
+    for rnd, ends in sorted(by_round.items(), key=lambda kv: min(g.end or kv[1][0][0].last_seen for _, g in kv[1])):
+        fault = _describe(len(faults), rnd, ends, lost_in, nodes, logs)
+        for _, g in ends:
+            g.fault = fault
+        faults.append(fault)
+    for node in nodes.values():
+        for g in node.groups:
+            g.after = next((f for f in faults if f.round == g.round), None)
+    return faults
+
+
+def _next_closed(node: Node, g: Group) -> float:
+    """When the node's next group formed after ``g`` (or its last event): the events of ``g``'s end lie before."""
+    later = [h.closed for h in node.groups if h.closed > g.closed]
+    return min(later) if later else node.last_seen
+
+
+def _last_end(logs: dict[tuple[str, Any], ProcessLog], node: str | None, before: float,
+              pid: Any = None) -> float | None:
+    best = None
+    for (n, p), plog in logs.items():
+        if (node is not None and n != node) or (pid is not None and p != pid):
+            continue
+        for r in reversed(plog.records):
+            if r.end <= before:
+                best = max(best or r.end, r.end)
+                break
+    return best
+
+
+def _describe(index: int, rnd: int | None, ends: list[tuple[Node, Group]], lost_in: dict[str, tuple[int, str]],
+              nodes: dict[str, Node], logs: dict[tuple[str, Any], ProcessLog]) -> Fault:
+    lost = [n for n, g in ends if n.node in lost_in and lost_in[n.node][0] == rnd]
+    detections = [g.end for n, g in ends if g.end is not None and n not in lost]
+    detected = min(detections) if detections else max(n.last_seen for n, _ in ends)
+    window = [(n, e) for n, g in ends for e in n.events if g.closed <= float(e["ts"]) <= _next_closed(n, g)]
+
+    def host(name: str) -> str:
+        start = next((e for e in nodes[name].events if e.get("event") == "agent_start"), {})
+        return f"{start.get('hostname', name)} (pid {start.get('pid', '?')})" if start else name
+
+    if lost:
+        names = [n.node for n in lost]
+        at = max((t for t in (_last_end(logs, n, detected) for n in names) if t is not None), default=None)
+        if at is None:
+            at = _last_end(logs, None, detected) or min(n.last_seen for n in lost)
+        why = lost_in[names[0]][1]
+        label = f"node {', '.join(host(n) for n in names)} lost" + (f" ({why})" if why else "")
+        return Fault(index, "node_lost", min(at, detected), detected, label, rnd, names[0])
+    first = {k: next(((n, e) for n, e in sorted(window, key=lambda ne: ne[1]["ts"]) if e.get("event") == k), None)
+             for k in ("hang_detected", "worker_failure", "nodes_waiting", "signal", "restart")}
+    if first["hang_detected"]:
+        n, e = first["hang_detected"]
+        g = next(g for nn, g in ends if nn is n)
+        run = g.runs.get(int(e.get("local_rank", 0)))
+        at = _last_end(logs, n.node, float(e["ts"]), run.pid if run else None)
+        m = _SILENT_FOR.search(str(e.get("reason", "")))
+        if at is None and m:
+            at = float(e["ts"]) - float(m[1])
+        return Fault(index, "hang", min(at or float(e["ts"]), detected), detected,
+                     f"rank {e.get('rank')} hung", rnd, n.node, e.get("rank"))
+    if first["worker_failure"]:
+        n, e = first["worker_failure"]
+        how = f"killed by {e['signal']}" if e.get("signal") else f"exit code {e.get('exitcode')}"
+        return Fault(index, "worker_failure", detected, detected, f"rank {e.get('rank')} {how}", rnd, n.node,
+                     e.get("rank"))
+    if first["nodes_waiting"]:
+        n, e = first["nodes_waiting"]
+        return Fault(index, "join", detected, detected, f"{e.get('count', 1)} node(s) joined", rnd, n.node)
+    if first["signal"]:
+        n, e = first["signal"]
+        return Fault(index, "signal", detected, detected, f"{e.get('signal')} received", rnd, n.node)
+    reason = str(first["restart"][1].get("reason", "")) if first["restart"] else ""
+    return Fault(index, "restart", detected, detected, reason or "the group was re-formed", rnd,
+                 ends[0][0].node)
+
+
+def join_wait(node: Node, nodes: dict[str, Node]) -> float | None:
+    """For a node that arrived while the job ran elsewhere: when the running group noticed it (else None)."""
+    if not node.groups:
+        return None
+    arrived = node.groups[0].rdzv_start
+    ends = [g.end for other in nodes.values() if other is not node for g in other.groups
+            if g.closed <= arrived and (g.end is None or g.end > arrived)]
+    if not ends:
+        return None
+    return min((e for e in ends if e is not None), default=node.groups[0].closed)
+
+
+def set_backs(faults: list[Fault], nodes: dict[str, Node], logs: dict[tuple[str, Any], ProcessLog]) -> None:
+    """When each fault's new group stepped again: every slot's first step (or first heartbeat) in that round."""
+    for f in faults:
+        firsts = []
+        for node in nodes.values():
+            for g in node.groups:
+                if g.round != f.round:
+                    continue
+                for run in g.runs.values():
+                    plog = logs.get((node.node, run.pid))
+                    rec = next((r for r in (plog.records if plog else []) if r.kind == STEP and r.t0 >= g.closed),
+                               None)
+                    t = rec.t0 if rec is not None else run.first_beat
+                    firsts.append(t)
+        if firsts and all(t is not None for t in firsts):
+            f.back = max(t for t in firsts if t is not None)

@@ -1,0 +1,137 @@
+"""What the workers of goodput_job.py saw, from their own logs and the test's fault times.
+
+Independent of elastrun's step records: each worker timed its own steps, commits and restores;
+the test knows when it injected each fault.  Only the moment an agent *knew* of a fault (its
+detection) comes from the event log, because no worker can see it.  See docs/observe.md
+("How accurate it is") for what is compared and the tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Injection:
+    """A fault the test caused: ``kind`` (crash, hang, node_loss, join), when, and the worker pids it hit."""
+
+    kind: str
+    t: float
+    pids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Proc:
+    pid: int
+    steps: list[tuple[int, float, float, float]] = field(default_factory=list)  # n, t0, t1, t2
+    resumes: list[tuple[float, float, int]] = field(default_factory=list)  # began, ended, step restored
+    restores: list[tuple[float, float]] = field(default_factory=list)
+
+
+def read_truth(truth_dir: Path) -> dict[int, Proc]:
+    procs: dict[int, Proc] = {}
+    for path in truth_dir.glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue  # a torn line of a killed worker
+            p = procs.setdefault(int(e["pid"]), Proc(int(e["pid"])))
+            if e["ev"] == "step":
+                p.steps.append((int(e["n"]), e["t0"], e["t1"], e["t2"]))
+            elif e["ev"] == "restore":
+                p.resumes.append((e["t0"], e["t1"], int(e["step"])))
+                p.restores.append((e["t0"], e["t1"]))
+            elif e["ev"] == "enter":
+                p.resumes.append((e["t"], e["t"], int(e["step"])))
+    for p in procs.values():
+        p.steps.sort(key=lambda s: s[1])
+    return procs
+
+
+def _redone(procs: dict[int, Proc]) -> list[tuple[int, int, float, float]]:
+    """(pid, n, t0, t2) of every step that a later resume rolled back."""
+    resumes = sorted(r for p in procs.values() for r in p.resumes)
+    out = []
+    for p in procs.values():
+        for n, t0, _, t2 in p.steps:
+            if any(began > t2 and step < n for began, _, step in resumes):
+                out.append((p.pid, n, t0, t2))
+    return out
+
+
+def truth(procs: dict[int, Proc], injections: list[Injection], detected: dict[int, float]) -> dict[str, float]:
+    """Worker-seconds by what the workers saw: good, commit, redone, restore, detection, hang and per-fault costs.
+
+    ``detected``: for each injection (by index), when the first agent knew (from the event log).
+    """
+    redone = {(pid, n, t0) for pid, n, t0, _ in _redone(procs)}
+    out = {"good": 0.0, "commit": 0.0, "redone": 0.0, "restore": 0.0, "detection": 0.0, "hang": 0.0}
+    # A worker's time between a fault and its detection is the fault's (hang or detection), even
+    # inside a step that a stopped peer held up and let finish later.
+    windows = [(inj.t, detected[i]) for i, inj in enumerate(injections) if detected[i] > inj.t]
+
+    def outside(a: float, b: float) -> float:
+        return (b - a) - sum(max(0.0, min(b, w1) - max(a, w0)) for w0, w1 in windows)
+
+    for p in procs.values():
+        for n, t0, t1, t2 in p.steps:
+            if (p.pid, n, t0) in redone:
+                out["redone"] += outside(t0, t2)
+            else:
+                out["good"] += outside(t0, t1)
+                out["commit"] += outside(t1, t2)
+        out["restore"] += sum(b - a for a, b in p.restores)
+    for i, inj in enumerate(injections):
+        alive = [p for p in procs.values() if p.steps and p.steps[0][1] < inj.t and _alive_at(p, inj.t)]
+        for p in alive:
+            last = max((s[3] for s in p.steps if s[3] <= inj.t), default=inj.t)
+            out["redone"] += inj.t - last  # the step the fault cut short
+        cause = "hang" if inj.kind == "hang" else "detection"
+        out[cause] += len(alive) * max(0.0, detected[i] - inj.t)
+        out[f"fault{i}"] = _fault_cost(procs, inj, alive, redone)
+    return out
+
+
+def _alive_at(p: Proc, t: float) -> bool:
+    """Whether the process was in the group at ``t``: it stepped before and after (or was cut short by t)."""
+    before = [s for s in p.steps if s[3] <= t]
+    after = [s for s in p.steps if s[1] >= t]
+    return bool(before) and (bool(after) or before[-1][3] > t - 1.0)
+
+
+def _fault_cost(procs: dict[int, Proc], inj: Injection, alive: list[Proc], redone: set) -> float:
+    """Each slot's gap from its last step before the fault to its first step after, plus the steps redone."""
+    cost = 0.0
+    resumes = sorted((r[0], p.pid) for p in procs.values() for r in p.resumes if r[0] > inj.t)
+    cutoff = resumes[0][0] if resumes else inj.t
+    for p in alive:
+        last = max((s[3] for s in p.steps if s[3] <= inj.t), default=inj.t)
+        nxt = [s[1] for s in p.steps if s[1] > inj.t]
+        if inj.pids and p.pid in inj.pids and inj.kind == "node_loss":
+            cost += inj.t - last
+            continue
+        if nxt:  # the same process steps again (kept, et.run)
+            cost += nxt[0] - last
+        else:  # a new process took the slot: the first step of the next process in the new group
+            cost += _next_first_step(procs, p, inj.t, cutoff) - last
+    for pid, n, t0 in redone:
+        step = next(s for s in procs[pid].steps if s[0] == n and s[1] == t0)
+        if step[3] <= inj.t and _rolled_back_by(procs, step, inj.t):
+            cost += step[3] - step[1]
+    return cost
+
+
+def _next_first_step(procs: dict[int, Proc], old: Proc, t: float, cutoff: float) -> float:
+    """First step of the process that replaced ``old`` (the new process whose first step comes first
+    among those not yet matched; ranks may move, so the earliest unmatched start stands in)."""
+    firsts = sorted(p.steps[0][1] for p in procs.values() if p.steps and p.steps[0][1] > t and p.pid != old.pid)
+    return firsts[0] if firsts else t
+
+
+def _rolled_back_by(procs: dict[int, Proc], step: tuple[int, float, float, float], t: float) -> bool:
+    """Whether the first resume after ``t`` (the fault) restored a step below ``step``'s."""
+    later = sorted(r for p in procs.values() for r in p.resumes if r[0] > t)
+    return bool(later) and later[0][2] < step[0]
