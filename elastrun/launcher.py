@@ -114,6 +114,13 @@ def run(config: LaunchConfig) -> int:
     except BaseException:
         starter.close()
         raise
+    # torch.distributed now, before this node joins a round (c10d imported it already, for its store;
+    # after the handler, so that a bad token or endpoint is still refused at once): the agent of group
+    # rank 0 starts the workers' TCPStore inside the round, and importing a CUDA build of torch there
+    # holds the GIL for up to ~2 s at a stretch on a busy machine (torch 2.3.1's wheel), which starved
+    # the etcd lease and heartbeat threads: peers took the closer for dead and formed a round without it.
+    import torch.distributed  # noqa: F401
+
     from elastrun.agent.agent import LocalAgent
 
     agent = LocalAgent(config, handler, starter, base_env=base_env)

@@ -86,6 +86,7 @@ class WorkerGroup:
             self.trackers[local_rank] = HangTracker(hb_path, self.config.hang_timeout, self.config.startup_timeout)
             handle = kept.pop(local_rank, None)
             if handle is not None and not self._reassign(handle, launch, result):
+                self.report.reform_fallback(handle, "gone before its new assignment")
                 self._discard(handle)
                 handle = None
             method = "kept"
@@ -123,6 +124,7 @@ class WorkerGroup:
         news = self.session.watch(self.workers)
         for handle, failed in news.failed:
             self.report.reform_failed(handle.launch.rank, failed.error)
+            self.report.reform_fallback(handle, f"could not join the new group: {failed.error[-200:]}")
         if news.done is not None:
             done = news.done
             self.report.reform(result.round, time.monotonic() - done.detected_at, done.paused_in, sorted(done.kept),
@@ -252,6 +254,9 @@ class WorkerGroup:
                 handle.send_signal(signal.SIGKILL)
         candidates = [h for h in self.workers if h.launch.local_rank not in doomed]
         kept, asked = self.session.pause(candidates, detected_at)
+        for handle in asked:
+            if handle.pid in self.session.refused:
+                self.report.reform_fallback(handle, self.session.refused[handle.pid])
         stuck = [h for h in asked if h not in kept and h.poll() is None]
         if dump and stuck:
             for handle in stuck:

@@ -87,6 +87,8 @@ class ReformSession(NodeService):
         self.pending: PendingReform | None = None
         #: Paused workers kept for the next round, by local rank (until :meth:`take_kept`).
         self._kept: dict[int, WorkerHandle] = {}
+        #: Why each worker asked by the last :meth:`pause` was not kept (restarted instead), by PID.
+        self.refused: dict[int, str] = {}
 
     # -- node service ------------------------------------------------------------------------
     def worker_env(self) -> dict[str, str]:
@@ -117,6 +119,7 @@ class ReformSession(NodeService):
         that said they did within the bound.  Starts a new re-form (PAUSED), or none (IDLE)."""
         self.pending = None
         self._kept = {}
+        self.refused = {}
         self.phase = Phase.IDLE
         if self.channel is None:
             return [], []
@@ -127,11 +130,22 @@ class ReformSession(NodeService):
         t0 = time.monotonic()
         answers = self.channel.wait_for([h.pid for h in asked], (Paused, Failed), self.timeout)
         kept = [h for h in asked if isinstance(answers.get(h.pid), Paused) and h.poll() is None]
+        for h in asked:
+            if h not in kept:
+                self.refused[h.pid] = self._refusal(h, answers.get(h.pid))
         if kept:
             self._kept = {h.launch.local_rank: h for h in kept}
             self.pending = PendingReform(detected_at=detected_at, paused_in=time.monotonic() - t0)
             self.phase = Phase.PAUSED
         return kept, asked
+
+    def _refusal(self, handle: WorkerHandle, answer: object) -> str:
+        """Why an asked worker is not kept."""
+        if isinstance(answer, Failed):
+            return f"could not leave its group: {answer.error[-200:]}"
+        if handle.poll() is not None:
+            return "exited while leaving its group"
+        return f"no answer to the pause within --reform-timeout ({self.timeout:g} s)"
 
     def take_kept(self) -> dict[int, WorkerHandle]:
         """The paused workers, by local rank, for the new group to take back or discard."""

@@ -199,6 +199,11 @@ class AgentReport:
     def reform_failed(self, rank: int, error: str) -> None:
         self.console.warn(f"rank {rank} could not re-form: {error[-300:]}")
 
+    def reform_fallback(self, handle: WorkerHandle, cause: str) -> None:
+        """A worker that opted in to re-forms is restarted instead (the event only: the console has said why)."""
+        self.events.emit("reform_fallback", rank=handle.launch.rank, local_rank=handle.launch.local_rank,
+                         pid=handle.pid, cause=cause)
+
     def reform(self, round_: int, took: float, paused_in: float, kept: list[int], restarted: list[int],
                sources: list[str], step: int) -> None:
         """Every kept worker re-formed in its process."""

@@ -46,6 +46,7 @@ EVENT_KINDS: dict[str, str] = {
         "round, duration (s from the change to every kept worker re-formed), paused_in, kept, restarted (local "
         "ranks), sources, step"
     ),
+    "reform_fallback": "rank, local_rank, pid, cause (why a worker that opted in is restarted instead of kept)",
     "signal": "signal, action, grace",
     "job_failed": "reason, exitcode",
     "rendezvous_warning": "message, kind (e.g. forged_value), key, why",

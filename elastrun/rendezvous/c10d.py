@@ -104,6 +104,12 @@ _RESCUERS = 8
 _STUCK_CLOSER_TIMEOUTS = 4.0
 #: How long a closer waits for a joiner's info after the round closed before leaving it out.
 _SLOT_WAIT = 5.0
+#: Rounds whose keys stay in the store behind the one being closed; the closer deletes older ones.
+KEEP_ROUNDS = 8
+#: The keys of a round besides its join slots, its per-node markers, seats and parts
+#: (docs/rendezvous-protocol.md).
+_ROUND_KEYS = ("joined", "rejoined", "closed", "result", "store", "signal", "gone", "gone_list", "fail_list",
+               "grown", "done", "done_list")
 #: How long members wait for group rank 0 to publish the workers' store before giving up on it.
 _STORE_WAIT = 15.0
 def parse_config(params: RendezvousParameters) -> dict[str, Any]:
@@ -139,7 +145,7 @@ class StoreRendezvousHandler(StoreClient):
         self._auth = self._authenticate(token)
         self._auth.on_forged = self._report_forged
         self._prefix = self._auth.prefix
-        self._hb_store = self._store.clone()
+        self._hb_store = self._second_connection()
         self._node: NodeInfo | None = None
         self._round: int | None = None
         self._result: RoundResult | None = None
@@ -564,6 +570,37 @@ class StoreRendezvousHandler(StoreClient):
         if abort is not None:
             self._put(self._k("abort_code"), str(abort_code))
             self._put(self._k("abort"), abort)
+        else:
+            gone = [n for n in lost if causes.get(n) in ("link", "silence")]
+            threading.Thread(target=self._prune, args=(round_ - KEEP_ROUNDS, gone), name="elastrun-prune",
+                             daemon=True).start()
+
+    def _prune(self, old: int, gone: list[str]) -> None:
+        """Delete the keys of round ``old`` and the heartbeat keys of the nodes in ``gone`` (lost
+        without leaving: their agent could not delete its own), so that the store holds a bounded
+        number of keys however many rounds a job goes through.  Run by the closer on a thread of its
+        own with a connection of its own, off the round's path; a failure only leaves keys behind."""
+        try:
+            store = self._second_connection()
+            for node_id in gone:
+                store.delete_key(self._k("hb", node_id))
+            if old < 0:
+                return
+            raw = self._read(self._r(old, "result"), store)
+            doc = decode_result(raw) if raw is not None else {}
+            parts = int(doc.get("parts", 0)) if is_seated(doc) else 0
+            members = all_members(doc, lambda count: [self._read(k, store) for k in self._part_keys(old, count)]) \
+                if doc else []
+            ids = [m["node_id"] for m in members or []]
+            joined = self._count(self._r(old, "joined"), store)
+            keys = [self._r(old, "node", i) for i in range(1, joined + 1)]
+            keys += [self._r(old, kind, n) for n in ids for kind in ("dead", "fail", "seat")]
+            keys += self._part_keys(old, parts)
+            keys += [self._r(old, k) for k in _ROUND_KEYS]
+            for key in keys:
+                store.delete_key(key)
+        except Exception:  # the store is going away (the job ends): nothing to keep bounded any more
+            pass
 
     def _await_value(self, key: str, deadline: float, give_up: float | None = None) -> str | None:
         """Block until an authentic value is under ``key``; None once ``give_up`` (monotonic) passes."""

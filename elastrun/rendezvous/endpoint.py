@@ -11,6 +11,7 @@ which of our addresses reaches it (:func:`route_address`), a listening socket on
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import socket
 
@@ -144,6 +145,13 @@ def listen_on(addr: str) -> int:
     return sock.detach()
 
 
+def torch_at_least(major: int, minor: int) -> bool:
+    """Whether the installed torch is ``major.minor`` or newer (for the few version-guarded paths)."""
+    import torch
+
+    return tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) >= (major, minor)
+
+
 def host_worker_store(addr: str):  # noqa: ANN201 - a torch.distributed.TCPStore; torch is imported here only
     """The workers' store of a round, hosted by the agent of group rank 0, on any free port.
 
@@ -151,6 +159,15 @@ def host_worker_store(addr: str):  # noqa: ANN201 - a torch.distributed.TCPStore
     """
     import torch.distributed as dist
 
-    return dist.TCPStore(
-        addr, 0, is_master=True, wait_for_workers=False, use_libuv=True, master_listen_fd=listen_on(addr)
-    )
+    # torch's libuv server takes a handed-over socket from 2.8 on (pytorch PR 150215); 2.4-2.7 refuse
+    # it (NotImplementedError) and 2.3 ignores it (its clients then hang): the classic server there.
+    for use_libuv in (True, False) if torch_at_least(2, 8) else (False,):
+        fd = listen_on(addr)
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            port = sock.getsockname()[1]  # torch < 2.8 insists that the port given is the descriptor's
+        try:
+            return dist.TCPStore(addr, port, is_master=True, wait_for_workers=False, use_libuv=use_libuv,
+                                 master_listen_fd=fd)
+        except NotImplementedError:
+            os.close(fd)
+    raise AssertionError("unreachable: the classic TCPStore server takes a listening socket")

@@ -29,7 +29,7 @@ from elastrun.rendezvous.api import (
     RendezvousTimeoutError,
 )
 from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth
-from elastrun.rendezvous.endpoint import is_local_host
+from elastrun.rendezvous.endpoint import is_local_host, torch_at_least
 from elastrun.rendezvous.waiting import WaitReport, time_left
 
 #: What :meth:`StoreClient._peek` compares with: no value the protocol writes equals it.
@@ -93,8 +93,9 @@ class StoreClient(RendezvousHandler):
         if is_host:
             self._allow_connections(2 * self.max_nodes + 256)
             try:
+                # torch 2.3's libuv server (experimental there) kills its clients' agents: the classic one.
                 self._server = dist.TCPStore(
-                    host, port, is_master=True, wait_for_workers=False, use_libuv=True, timeout=timeout
+                    host, port, is_master=True, wait_for_workers=False, use_libuv=torch_at_least(2, 4), timeout=timeout
                 )
                 self.store_port = self._server.port
                 return self._server
@@ -129,6 +130,18 @@ class StoreClient(RendezvousHandler):
             f"(join_timeout): is the agent on {host} running and is --rdzv-endpoint right? last error: "
             f"{str(last_error).strip().splitlines()[0] if str(last_error).strip() else type(last_error).__name__}"
         )
+
+    def _second_connection(self):
+        """Another client connection to the store, for another thread (a client is not shared between
+        threads).  ``Store.clone()`` where torch has it (2.5+); before, a new client."""
+        if hasattr(self._store, "clone"):
+            return self._store.clone()
+        import torch.distributed as dist
+
+        store = dist.TCPStore(self.store_host, self.store_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=_CONNECT_WAIT))
+        store.set_timeout(datetime.timedelta(seconds=float(self.conf["read_timeout"])))
+        return store
 
     def _allow_connections(self, needed: int) -> None:
         """Let this process hold ``needed`` descriptors: the job's store keeps two connections per node,

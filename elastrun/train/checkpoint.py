@@ -20,6 +20,7 @@ import json
 import pickle
 import shutil
 import struct
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -92,18 +93,22 @@ class CheckpointDir:
         d.mkdir(parents=True, exist_ok=True)
         atomic_write(d / rng_name(rank), [payload], True)
 
-    def write_manifest(self, step: int, world_size: int, shared: tuple[int, int], wait_s: float = 120.0) -> bool:
+    def write_manifest(self, step: int, world_size: int, shared: tuple[int, int], wait_s: float = 120.0,
+                       abandon: threading.Event | None = None) -> bool:
         """Wait (bounded) for every rank's RNG file, then write the manifest and prune old steps.
 
-        Returns False when some rank's file did not arrive in time: that step stays incomplete.
+        Returns False when some rank's file did not arrive in time, or ``abandon`` was set (the group
+        that would write it is gone: a re-form): that step stays incomplete.
         """
         d = self.step_dir(step)
         deadline = time.monotonic() + wait_s
         names = [rng_name(r) for r in range(world_size)]
         while not all((d / n).exists() for n in names):
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or (abandon is not None and abandon.is_set()):
                 missing = [n for n in names if not (d / n).exists()]
-                notes.warn(f"checkpoint step {step} left incomplete: {missing} never arrived", stacklevel=2)
+                why = ("did not arrive before the group re-formed" if abandon is not None and abandon.is_set()
+                       else "never arrived")
+                notes.warn(f"checkpoint step {step} left incomplete: {missing} {why}", stacklevel=2)
                 return False
             time.sleep(0.02)
         files = {SHARED: {"size": shared[0], "crc32": shared[1]}}

@@ -52,10 +52,11 @@ def copy_chunk(destination: int, source: int, nbytes: int) -> None:
     ctypes.memmove(destination, source, nbytes)
 
 
-def _lower_priority() -> None:
-    """Make the calling thread ``SCHED_IDLE`` where the platform allows it (Linux; best effort)."""
+def _set_policy(tid: int, policy_name: str) -> None:
+    """Set thread ``tid``'s (0: the calling one) scheduling policy where the platform allows it
+    (Linux; best effort: a thread may go back from ``SCHED_IDLE`` to ``SCHED_OTHER`` unprivileged)."""
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
+        os.sched_setscheduler(tid, getattr(os, policy_name), os.sched_param(0))  # type: ignore[attr-defined]
     except (AttributeError, OSError):
         pass
 
@@ -67,6 +68,7 @@ class _IdleWorker:
         self._queue: queue.SimpleQueue[SnapshotCopy] = queue.SimpleQueue()
         self._pid = 0
         self._lock = threading.Lock()
+        self._tid = 0  # the helper's kernel thread id, once it runs
 
     def give(self, copy: SnapshotCopy) -> None:
         with self._lock:
@@ -78,11 +80,19 @@ class _IdleWorker:
                 serve.start()
             self._queue.put(copy)
 
-    @staticmethod
-    def _serve(jobs: queue.SimpleQueue[SnapshotCopy]) -> None:
-        _lower_priority()
+    def _serve(self, jobs: queue.SimpleQueue[SnapshotCopy]) -> None:
+        self._tid = threading.get_native_id()
         while True:
-            jobs.get()._work()
+            job = jobs.get()
+            _set_policy(0, "SCHED_IDLE")  # again: a wait may have raised it (see boost)
+            job._work()
+
+    def boost(self) -> None:
+        """Let the helper run at normal priority until its next job: the training thread waits for
+        a chunk the helper holds, and on a loaded machine an idle-priority thread can wait seconds
+        for a core (a priority inversion that would stall ``commit()`` and a re-form's pause)."""
+        if self._tid and self._pid == os.getpid():
+            _set_policy(self._tid, "SCHED_OTHER")
 
 
 _IDLE_WORKER = _IdleWorker()
@@ -147,6 +157,8 @@ class SnapshotCopy:
     def wait(self) -> None:
         """Block until every chunk is copied; re-raise a chunk's failure."""
         with self._cond:
+            if self._done < len(self._chunks) and self._error is None:
+                _IDLE_WORKER.boost()
             while self._done < len(self._chunks) and self._error is None:
                 self._cond.wait()
             if self._error is not None:

@@ -148,6 +148,9 @@ class State(Reformable):
         self._writer = BackgroundJob("elastrun-snapshot")
         self._copy: SnapshotCopy | None = None  # the running background copy, if any
         self._persister = BackgroundJob("elastrun-checkpoint")
+        #: Set while a restore waits for the persister: a manifest still waiting for a rank's file
+        #: gives up (that rank may be gone; its step stays incomplete) instead of stalling it 120 s.
+        self._abandon = threading.Event()
         self._skipped_warned = False
         self._flag_scratch: list[torch.Tensor] = []
         #: What this process's live objects hold (under ``elastrun.train.run`` only): the step of the
@@ -386,7 +389,7 @@ class State(Reformable):
             try:
                 ckpt.write_rng(step, rank, payload)
                 shared = ckpt.write_shared(step, header, mem.data_view(slot, header["nbytes"]))
-                ckpt.write_manifest(step, ws, shared)
+                ckpt.write_manifest(step, ws, shared, abandon=self._abandon)
             finally:
                 mem.unpin(slot)
 
@@ -455,7 +458,11 @@ class State(Reformable):
 
     def _restore(self) -> str | None:
         self._drain()
-        self._persister.wait()
+        self._abandon.set()
+        try:
+            self._persister.wait()
+        finally:
+            self._abandon.clear()
         report, slots, disk = self._report()
         reports = edist.all_gather(report)
         excluded: set[tuple] = set()
@@ -476,6 +483,9 @@ class State(Reformable):
                 source = "live"
             else:
                 self._apply(loaded)
+                # What this process remembered of its own last commit is not what it now holds (the
+                # plan chose another step): a re-form before the next commit must not roll back to it.
+                self._live = None
                 source = "memory" if plan.source == "live" else plan.source
             self._restore_rng(plan, disk)
             return source

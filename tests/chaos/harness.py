@@ -77,6 +77,8 @@ class JobSpec:
     nproc: int = 1
     #: fork: the warm pool (workers forked from a template that imported torch); spawn: exec each one.
     start_method: str = "fork"
+    #: Train through ``et.run``: survivors of a change re-form in their process instead of restarting.
+    reform: bool = False
     netns: bool = False
     samples: int = 96
     batch: int = 4
@@ -102,6 +104,12 @@ class JobSpec:
         if not 1 <= self.min_nodes <= self.nodes:
             raise ValueError(f"min_nodes must be in [1, {self.nodes}], got {self.min_nodes}")
 
+    @property
+    def name(self) -> str:
+        """``c10d et.run seed 3``: backend, namespaces, trainer and seed."""
+        return (f"{self.backend}{' netns' if self.netns else ''}{' et.run' if self.reform else ''} "
+                f"seed {self.seed}")
+
 
 @dataclass
 class Fault:
@@ -116,6 +124,12 @@ class Fault:
     steps_lost: int | None = None
     logged: bool = False
     note: str = ""
+    #: PIDs of the workers that outlived the fault (every worker of the group but the faulted one and
+    #: those of a removed node), and those of them that were in the new group (kept their process).
+    survivors: list[int] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+    #: For each survivor that was started anew instead: ``"pid: cause"``.
+    fallbacks: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -135,12 +149,14 @@ class RunResult:
         return bool(self.checks) and all(c.ok for c in self.checks)
 
     def summary(self) -> str:
-        lines = [f"{self.spec.backend}{' netns' if self.spec.netns else ''} seed {self.spec.seed}: "
+        lines = [f"{self.spec.name}: "
                  f"{len(self.faults)} faults, {self.steps} steps, {self.duration:.0f} s, exit codes {self.exit_codes}"]
         lines += [f"  [{'ok' if c.ok else 'VIOLATED'}] {c.name}: {c.detail}" for c in self.checks]
         for f in self.faults:
+            kept = f" kept {len(f.kept)}/{len(f.survivors)}" if self.spec.reform else ""
             lines.append(f"  {f.kind:<12} node {f.node}: detect {_fmt(f.detect)} restart {_fmt(f.restart)} "
-                         f"first step {_fmt(f.first_step)} lost {f.steps_lost} logged {f.logged} {f.note}")
+                         f"first step {_fmt(f.first_step)} lost {f.steps_lost}{kept} logged {f.logged} {f.note}"
+                         + "".join(f"\n    fallback {c}" for c in f.fallbacks))
         return "\n".join(lines)
 
 
@@ -279,7 +295,7 @@ class ChaosJob:
             f"--start-method={s.start_method}", "--preload=torch,elastrun.train", f"--log-dir={self.logs}",
             str(TRAINER), "--out", str(self.out), "--ckpt", str(self.work / "ckpt"), "--every", "50",
             "--hold-file", str(self.hold), "--pace", str(s.pace), "--samples", str(s.samples),
-            "--batch", str(s.batch),
+            "--batch", str(s.batch), *(["--reform"] if s.reform else []),
         ]  # fmt: skip
 
     def start_node(self, node: Node) -> None:
@@ -421,12 +437,16 @@ class ChaosJob:
         self._wait(lambda s=since: self.steady(s), self.spec.fault_timeout, "steady training")
 
     # ------------------------------------------------------------------ faults that restart the group
-    def _restarting(self, kind: str, node: Node, inject, world_after: int) -> Fault:
-        """Inject, then wait for the first step of a new group of ``world_after`` ranks."""
+    def _restarting(self, kind: str, node: Node, inject, world_after: int, target: int | None = None) -> Fault:
+        """Inject, then wait for the first step of a new group of ``world_after`` ranks.
+
+        ``target``: the PID of the faulted worker.  It and the workers of the node being removed (no
+        longer ``up`` when this is called) are not survivors; every other worker is."""
         self.steps.refresh()
         gen0 = self.steps.max_generation()
+        survivors = [pid for n in self.up_nodes() for pid in self.worker_pids(n) if pid != target]
         t0 = time.time()
-        fault = Fault(kind, node.index, t0)
+        fault = Fault(kind, node.index, t0, survivors=sorted(survivors))
         inject()
         try:
             rec = self._wait(lambda: self.first_step(t0, gen0 + 1, world_after), self.spec.fault_timeout,
@@ -440,7 +460,27 @@ class ChaosJob:
         if restored and before:
             fault.steps_lost = max(0, max(before) - min(r["s"] for r in restored))
         self._read_events(fault, node)
+        if self.spec.reform:
+            self._read_kept(fault, {r["p"] for r in restored})
         return fault
+
+    def _read_kept(self, fault: Fault, new_group: set[int]) -> None:
+        """Which survivors are in the new group with their PID; why each of the others is not."""
+        fault.kept = [pid for pid in fault.survivors if pid in new_group]
+        evs = [e for e in self.events() if e["ts"] >= fault.t0]
+        for pid in fault.survivors:
+            if pid in new_group:
+                continue
+            told = [e for e in evs if e.get("pid") == pid and e["event"] in ("reform_fallback", "worker_exit")]
+            if not told:
+                cause = "no event names it"
+            elif told[0]["event"] == "reform_fallback":
+                cause = told[0]["cause"]
+            else:
+                e = told[0]
+                how = e.get("signal") or f"exit code {e.get('exitcode')}"
+                cause = f"exited on its own ({how})"
+            fault.fallbacks.append(f"{pid}: {cause}")
 
     def _pick_worker(self) -> tuple[Node, int]:
         node = self.rng.choice(self.up_nodes())
@@ -449,15 +489,15 @@ class ChaosJob:
 
     def _inject_worker_kill(self) -> Fault:
         node, pid = self._pick_worker()
-        return self._restarting("worker_kill", node, lambda: os.kill(pid, signal.SIGKILL), self.expected_world())
+        return self._restarting("worker_kill", node, lambda: os.kill(pid, signal.SIGKILL), self.expected_world(), pid)
 
     def _inject_worker_exit(self) -> Fault:
         node, pid = self._pick_worker()
-        return self._restarting("worker_exit", node, lambda: os.kill(pid, signal.SIGUSR2), self.expected_world())
+        return self._restarting("worker_exit", node, lambda: os.kill(pid, signal.SIGUSR2), self.expected_world(), pid)
 
     def _inject_worker_hang(self) -> Fault:
         node, pid = self._pick_worker()
-        return self._restarting("worker_hang", node, lambda: os.kill(pid, signal.SIGSTOP), self.expected_world())
+        return self._restarting("worker_hang", node, lambda: os.kill(pid, signal.SIGSTOP), self.expected_world(), pid)
 
     def _signal_agent(self, kind: str, sig: int) -> tuple[Fault, Node]:
         """Send ``sig`` to a removable node's agent; the node is down until a later join."""
@@ -670,6 +710,9 @@ def run_job(spec: JobSpec, references: dict[tuple, str] | None = None) -> RunRes
         result.worlds = sorted({r["w"] for recs in steps.values() for r in recs})
         result.checks.append(verify.samples_once(steps, spec.samples))
         result.checks.append(verify.complete_steps(steps))
+        restored = records.restores(job.out)
+        result.checks.append(verify.no_step_lost(job.steps.records, restored))
+        result.checks.append(verify.same_parameters(steps, restored, job.steps.records))
         full = spec.nodes * spec.nproc
         reference = None
         if steps and result.worlds == [full]:

@@ -1,7 +1,9 @@
 """The short chaos form for CI: real agents, real workers, faults on a fixed seed, every invariant.
 
-About 2 minutes on 2 cores: 8 mixed faults with c10d on loopback, 4 with a 3-member etcd cluster,
-and (root only) a partition across network namespaces.  The long form is ``tools/chaos.py``.
+About 2 minutes on 2 cores: 8 mixed faults with c10d on loopback and a trainer that runs through
+``et.run`` (survivors re-form in their process), 4 with a 3-member etcd cluster and the plain
+training loop (every worker restarted), and (root only) a partition across network namespaces,
+``et.run`` again.  The long form is ``tools/chaos.py``, which alternates the two trainers too.
 """
 
 from __future__ import annotations
@@ -23,11 +25,23 @@ def _check(result) -> None:
     assert all(f.logged for f in result.faults), result.summary()
 
 
-def test_c10d_mixed_faults():
-    result = run_job(JobSpec(backend="c10d", seed=3, faults=8, kinds=LOOPBACK))
+def _check_kept(result) -> None:
+    """Under ``et.run`` the survivors of a fault keep their process; each one that did not is
+    explained by the agent (a ``reform_fallback`` event) or by its own exit."""
+    survivors = sum(len(f.survivors) for f in result.faults)
+    kept = sum(len(f.kept) for f in result.faults)
+    assert survivors and kept * 2 >= survivors, result.summary()
+    assert not [c for f in result.faults for c in f.fallbacks if c.endswith("no event names it")], result.summary()
+
+
+def test_c10d_mixed_faults_through_et_run():
+    result = run_job(JobSpec(backend="c10d", seed=3, faults=8, kinds=LOOPBACK, reform=True))
     _check(result)
+    _check_kept(result)
     assert len(result.faults) >= 8
     assert len({f.kind for f in result.faults}) >= 4, result.summary()
+    names = {c.name for c in result.checks}
+    assert {"no committed step lost", "parameters bit-identical across the ranks of a group"} <= names
 
 
 @pytest.mark.etcd
@@ -45,19 +59,39 @@ def test_etcd_any_node_and_a_member_may_die():
                     reason="network namespaces need root and iproute2 (CI runs as root)")
 @pytest.mark.skipif(not etcd_available(), reason="no etcd binary (apt-get install etcd-server)")
 def test_partitioned_node_across_namespaces():
-    result = run_job(JobSpec(backend="etcd", netns=True, seed=1, faults=2, kinds=("partition", "worker_kill")))
+    """The survivors of a cut-off peer are blocked in a collective on a silent (not closed)
+    connection: under ``et.run`` they must still leave it and keep their process."""
+    result = run_job(JobSpec(backend="etcd", netns=True, seed=1, faults=2, kinds=("partition", "worker_kill"),
+                             reform=True))
     _check(result)
+    _check_kept(result)
     assert "partition" in {f.kind for f in result.faults}, result.summary()
 
 
 def test_invariants_catch_a_reused_and_a_missing_sample():
     """The checks can fail: a step that re-used a sample, and an incomplete group."""
-    steps = {1: [{"g": 0, "s": 1, "e": 0, "w": 2, "r": 0, "i": [0, 1]},
-                 {"g": 0, "s": 1, "e": 0, "w": 2, "r": 1, "i": [1, 3]}]}
+    steps = {1: [{"g": 0, "s": 1, "e": 0, "w": 2, "r": 0, "i": [0, 1], "h": "a"},
+                 {"g": 0, "s": 1, "e": 0, "w": 2, "r": 1, "i": [1, 3], "h": "a"}]}
     once = verify.samples_once(steps, 4)
     assert not once.ok and "3 distinct" in once.detail
     steps[2] = [{"g": 1, "s": 2, "e": 1, "w": 2, "r": 0, "i": [0, 1]}]
     assert not verify.complete_steps(steps).ok
+
+
+def test_invariants_catch_a_lost_step_and_diverged_ranks():
+    """The checks can fail: a restore behind a committed step, ranks whose parameters differ."""
+    records = [{"g": 0, "s": s, "w": 2, "r": r} for s in range(1, 6) for r in (0, 1)]
+    records.append({"g": 0, "s": 6, "w": 2, "r": 0})  # rank 1 never began step 6: step 3 is the newest for good
+    assert verify.no_step_lost(records, [{"g": 1, "s": 3, "h": "x"}, {"g": 1, "s": 3, "h": "x"}]).ok
+    lost = verify.no_step_lost(records, [{"g": 1, "s": 2, "h": "x"}, {"g": 1, "s": 3, "h": "x"}])
+    assert not lost.ok and "step 3 had been committed" in lost.detail
+    steps = {1: [{"g": 0, "s": 1, "r": 0, "h": "a"}, {"g": 0, "s": 1, "r": 1, "h": "b"}]}
+    assert not verify.same_parameters(steps, []).ok
+    assert not verify.same_parameters({}, [{"g": 2, "s": 5, "h": "a"}, {"g": 2, "s": 5, "h": "b"}]).ok
+    ran = [{"g": 0, "s": 5, "r": 0, "h": "a"}, {"g": 1, "s": 5, "r": 0, "h": "b"}]  # step 5 redone by generation 1
+    assert verify.same_parameters({}, [{"g": 2, "s": 5, "h": "b"}], ran).ok
+    wrong = verify.same_parameters({}, [{"g": 2, "s": 5, "h": "a"}], ran)
+    assert not wrong.ok and "generation 1 committed" in wrong.detail, wrong.detail
 
 
 def test_faults_beyond_the_budget_fail_with_a_summary():

@@ -8,11 +8,17 @@ on which samples each committed step used and on the world size of that step.
 What it records under ``--out`` (read back by :mod:`tests.chaos.verify`):
 
 * ``steps.<pid>.jsonl``: one line per step, written just *before* ``commit()``:
-  ``{"g": generation, "s": step, "e": epoch, "w": world size, "r": rank, "i": sample ids, "t": time}``.
+  ``{"g": generation, "s": step, "e": epoch, "w": world size, "r": rank, "i": sample ids,
+  "h": SHA-256 of the parameters after the step, "p": pid, "t": time}``.
   A step whose commit did not survive is run again by a later generation, so for every step the
   records of the latest generation that ran it are the committed ones.
-* ``restore.<pid>.json``: generation, rank, world size, restored step and source, time.
+* ``restore.<pid>.<generation>.json``: generation, rank, world size, restored step and source, pid,
+  SHA-256 of the restored parameters, time.
 * ``final.pt`` and ``final.json`` (rank 0, at the end): the parameters and their SHA-256.
+
+With ``--reform`` the training body runs through ``et.run``: a worker that survives a change
+keeps its process (same PID, one more ``restore.<pid>.<generation>.json``) instead of being
+restarted.
 
 Fault hooks: SIGUSR2 makes the worker ``exit(1)`` at once (the harness's "worker exit" fault).
 
@@ -94,44 +100,61 @@ def main() -> None:
     p.add_argument("--pace", type=float, default=0.0)
     p.add_argument("--hold-file", default=None)
     p.add_argument("--max-epochs", type=int, default=10000, help="a bound on a held job")
+    p.add_argument("--reform", action="store_true", help="train through et.run (in-process re-forms)")
     a = p.parse_args()
 
     signal.signal(signal.SIGUSR2, lambda *_: os._exit(1))
     out = Path(a.out)
-    gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    info = et.init_distributed()
-    rank, world = info.rank, info.world_size
     dataset, net, opt = build(a.samples)
     sampler = et.ElasticSampler(dataset, batch_size=a.batch, seed=7)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
     state = et.State(model=net, optimizer=opt, sampler=sampler, checkpoint_dir=a.ckpt, checkpoint_every=a.every,
                      end_epoch=None if a.hold_file else a.epochs)
-    source = state.restore()
-    restored = {"g": gen, "r": rank, "w": world, "s": state.step, "src": source, "t": time.time()}
-    (out / f"restore.{os.getpid()}.json").write_text(json.dumps(restored))
-    elastrun.heartbeat()
-    log = os.open(out / f"steps.{os.getpid()}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    while sampler.epoch < (state.end_epoch if state.end_epoch is not None else a.max_epochs):
-        for idx, x, y in loader:
-            grad = local_step(net, x, y)
-            holding = bool(a.hold_file) and os.path.exists(a.hold_file)
-            flat = torch.cat([grad, torch.tensor([1.0 if holding else 0.0])])
-            torch.distributed.all_reduce(flat)
-            held = state.end_epoch is None and flat[-1].item() == world
-            apply_grad(net, opt, flat[:-1] / world)
-            if state.end_epoch is None and not held:
-                state.end_epoch = sampler.epoch + 1
-            record = {"g": gen, "s": state.step + 1, "e": sampler.epoch, "w": world, "r": rank,
-                      "i": idx.tolist(), "t": time.time()}
-            _append(log, record)
-            state.commit()  # also the progress heartbeat for the agent's hang detection
-            if held and a.pace:
-                time.sleep(a.pace)
+    if a.reform:
+        et.run(lambda st: train(a, out, net, opt, sampler, loader, st), state)
+    else:
+        et.init_distributed()
+        state.restore()
+        train(a, out, net, opt, sampler, loader, state)
     state.flush()
-    if rank == 0:
+    if torch.distributed.get_rank() == 0:
+        gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         torch.save(net.state_dict(), out / "final.pt")
         (out / "final.json").write_text(json.dumps({"step": state.step, "g": gen, "sha256": digest(net)}))
     state.close()
+
+
+def train(a: argparse.Namespace, out: Path, net: torch.nn.Module, opt: torch.optim.Optimizer,
+          sampler: et.ElasticSampler, loader: torch.utils.data.DataLoader, state: et.State) -> None:
+    """The training body, from a restored state to the end (``fn`` of ``et.run`` with ``--reform``:
+    called again in the same process after each re-form, so rank, world size and generation are
+    read here)."""
+    gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    restored = {"g": gen, "r": rank, "w": world, "s": state.step, "src": state.last_restore, "p": os.getpid(),
+                "h": digest(net), "t": time.time()}
+    (out / f"restore.{os.getpid()}.{gen}.json").write_text(json.dumps(restored))
+    elastrun.heartbeat()
+    log = os.open(out / f"steps.{os.getpid()}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        while sampler.epoch < (state.end_epoch if state.end_epoch is not None else a.max_epochs):
+            for idx, x, y in loader:
+                grad = local_step(net, x, y)
+                holding = bool(a.hold_file) and os.path.exists(a.hold_file)
+                flat = torch.cat([grad, torch.tensor([1.0 if holding else 0.0])])
+                torch.distributed.all_reduce(flat)
+                held = state.end_epoch is None and flat[-1].item() == world
+                apply_grad(net, opt, flat[:-1] / world)
+                if state.end_epoch is None and not held:
+                    state.end_epoch = sampler.epoch + 1
+                record = {"g": gen, "s": state.step + 1, "e": sampler.epoch, "w": world, "r": rank,
+                          "i": idx.tolist(), "h": digest(net), "p": os.getpid(), "t": time.time()}
+                _append(log, record)
+                state.commit()  # also the progress heartbeat for the agent's hang detection
+                if held and a.pace:
+                    time.sleep(a.pace)
+    finally:
+        os.close(log)
 
 
 if __name__ == "__main__":

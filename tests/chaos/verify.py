@@ -3,6 +3,12 @@ so a run reports every violation at once.
 
 * every sample is used exactly once per epoch by committed steps, and every committed step was
   run by a complete group (ranks 0..W-1, one record each);
+* no committed step is lost: a step counts as committed once every rank of its group has begun
+  the step after the next (its ``commit()`` of the next step returned, and that waited for the
+  step's memory snapshot to be published), and every later group restores that step or a newer one;
+* the parameters are bit for bit the same on every rank of a group: after each committed step and
+  after each restore (also after an in-process re-form, where a survivor rolls back its own objects),
+  and a restore of step *s* holds exactly the parameters that step *s* committed;
 * the final parameters equal a failure-free reference: bit for bit a real failure-free run of the
   same length when every committed step ran at that world size; otherwise (the world size changed)
   an in-process replay of the committed steps (same model, same slices, gradients averaged over
@@ -65,6 +71,72 @@ def complete_steps(steps: dict[int, list[dict[str, Any]]]) -> Check:
             bad.append(f"step {step}: ranks {[r['r'] for r in recs]} worlds {sorted(worlds)}")
     return Check("every committed step ran on a complete group", not bad,
                  "; ".join(bad[:5]) if bad else f"{len(steps)} steps")
+
+
+def no_step_lost(records: list[dict[str, Any]], restores: list[dict[str, Any]]) -> Check:
+    """Each generation restores at least the newest step every rank of the earlier ones committed.
+
+    ``records`` are all step records (every generation's, committed or not); ``restores`` what every
+    worker's ``restore()`` returned.  Step *s* is committed for good once every rank of its group
+    wrote its record of step *s* + 2: that rank's ``commit()`` of *s* + 1 returned, and it waits for
+    the snapshot of *s* to be published (and each rank's RNG state of *s* is written inside
+    ``commit()`` of *s*).
+    """
+    ranks_at: dict[tuple[int, int], set[int]] = defaultdict(set)  # (generation, step) -> ranks with a record
+    world: dict[int, int] = {}
+    for r in records:
+        ranks_at[(r["g"], r["s"])].add(r["r"])
+        world[r["g"]] = r["w"]
+    durable_of: dict[int, int] = {}
+    for (g, s), ranks in ranks_at.items():
+        if len(ranks) == world[g] and s >= 2:
+            durable_of[g] = max(durable_of.get(g, 0), s - 2)
+    restored: dict[int, int] = {}
+    for r in restores:
+        restored[r["g"]] = min(restored.get(r["g"], r["s"]), r["s"])
+    bad = []
+    durable = 0
+    checked = 0
+    gens = sorted(set(restored) | set(durable_of))
+    for g in gens:
+        if g in restored and durable:
+            checked += 1
+            if restored[g] < durable:
+                bad.append(f"generation {g} restored step {restored[g]}, step {durable} had been committed")
+        durable = max(durable, durable_of.get(g, 0))
+    return Check("no committed step lost", not bad,
+                 "; ".join(bad[:5]) if bad else f"{checked} restores, none behind a committed step")
+
+
+def same_parameters(steps: dict[int, list[dict[str, Any]]], restores: list[dict[str, Any]],
+                    records: list[dict[str, Any]] | None = None) -> Check:
+    """Every rank of a group holds bit for bit the same parameters after each committed step and
+    after each restore (records carry a SHA-256 of the parameters, ``h``); with ``records`` (all
+    step records), a restore of step *s* also holds what the generation before it recorded for *s*."""
+    recorded = {(r["g"], r["s"]): r.get("h") for r in records or [] if r.get("h") is not None}
+    bad = []
+    for step, recs in steps.items():
+        if len({r.get("h") for r in recs}) != 1:
+            bad.append(f"step {step} (generation {recs[0]['g']}): {len({r.get('h') for r in recs})} different")
+    by_gen: dict[int, set[str | None]] = defaultdict(set)
+    step_of: dict[int, int] = {}
+    for r in restores:
+        by_gen[r["g"]].add(r.get("h"))
+        step_of[r["g"]] = r["s"]
+    for g, hashes in sorted(by_gen.items()):
+        if len(hashes) != 1:
+            bad.append(f"restore of generation {g}: {len(hashes)} different")
+            continue
+        # What a restore of step s loads must be what step s committed: the parameters recorded by
+        # the latest earlier generation that ran it.
+        s = step_of[g]
+        ran = [(gen, h) for (gen, st), h in (recorded or {}).items() if st == s and gen < g]
+        if ran and max(ran)[1] not in hashes:
+            bad.append(f"generation {g} restored step {s} with other parameters than generation "
+                       f"{max(ran)[0]} committed there")
+    return Check("parameters bit-identical across the ranks of a group", not bad,
+                 "; ".join(bad[:5]) if bad else f"{len(steps)} steps and {len(by_gen)} restores, "
+                 "each restore equal to what its step committed")
 
 
 def replay(steps: dict[int, list[dict[str, Any]]], samples: int) -> dict[str, Any]:

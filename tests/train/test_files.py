@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 import warnings
 
 import pytest
@@ -114,6 +116,21 @@ def test_incomplete_checkpoint_without_manifest_is_invisible(tmp_path):
         warnings.simplefilter("always")
         assert not ck.write_manifest(5, 2, (0, 0), wait_s=0.2)  # rank 1 never wrote its file
     assert "never arrived" in str(w[0].message)
+    assert ck.scan() == []
+
+
+def test_a_reform_abandons_a_manifest_waiting_for_a_gone_rank(tmp_path):
+    """A restore after a re-form must not wait the manifest's 120 s for a rank that died."""
+    ck = CheckpointDir(tmp_path)
+    ck.write_rng(5, 0, b"x")
+    gone = threading.Event()
+    threading.Timer(0.2, gone.set).start()
+    started = time.monotonic()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert not ck.write_manifest(5, 2, (0, 0), wait_s=60, abandon=gone)
+    assert time.monotonic() - started < 10
+    assert "did not arrive before the group re-formed" in str(w[0].message)
     assert ck.scan() == []
 
 
