@@ -175,3 +175,38 @@ def test_a_round_whose_closer_died_before_its_result_is_given_up_and_the_next_on
     assert {r.group_world_size for r in results.values()} == {2}
     assert {m.node_id for m in results["host"].members} == {"host", "other"}
     assert took < 20, took  # grace 2-4 s + heartbeat silence 1 s, twice, + round 1's last call 1 s
+
+
+def test_old_rounds_keys_are_deleted_so_the_store_stays_bounded(monkeypatch):
+    """After each round the closer deletes the keys of the round KEEP_ROUNDS before it, seats and
+    parts of a seated round included: a job that goes through many rounds keeps a bounded store."""
+    monkeypatch.setattr(c10d, "FULL_LIST_MAX", 3)
+    monkeypatch.setattr(seats, "PART_ROWS", 2)
+    monkeypatch.delenv("ELASTRUN_JOB_TOKEN", raising=False)
+    nodes, rounds = 5, c10d.KEEP_ROUNDS + 3
+    port = free_port()
+    handlers = [create_handler(RendezvousParameters("c10d", f"127.0.0.1:{port}", "prune", nodes, nodes,
+                                                    config={"is_host": str(i == 0).lower(), "host_linger": "0"}))
+                for i in range(nodes)]
+    try:
+        for expected in range(rounds):
+            results: dict[int, object] = {}
+            threads = [threading.Thread(target=lambda i=i, out=results: out.__setitem__(
+                i, handlers[i].next_round(NodeInfo(f"node{i}", "127.0.0.1", 1)))) for i in range(nodes)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert {r.round for r in results.values()} == {expected}
+        store, prefix = handlers[0]._store, handlers[0]._prefix
+        gone_round = rounds - 1 - c10d.KEEP_ROUNDS  # the newest round whose keys must be gone by now
+        old_keys = [f"r{gone_round}/{k}" for k in ("result", "joined", "node/1", "part/0", "seat/node0")]
+        kept_keys = [f"r{gone_round + 1}/{k}" for k in ("result", "part/0", "seat/node0")]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(store.check([prefix + k]) for k in old_keys):
+            time.sleep(0.05)
+        assert not [k for k in old_keys if store.check([prefix + k])], "an old round's keys were left"
+        assert all(store.check([prefix + k]) for k in kept_keys), "a recent round's keys were deleted"
+    finally:
+        for h in reversed(handlers):
+            h.close()
