@@ -68,14 +68,15 @@ time.sleep(600)
 
 
 def _count_requests() -> collections.Counter:
-    """Count every request this process's etcd clients send, by kind (wraps the client's one entry point)."""
-    from elastrun.rendezvous.etcd import client
+    """Count every request this process's etcd clients send, by kind (wraps the client's one entry
+    point), the streams they open, the messages sent on them, and the distinct leases granted."""
+    from elastrun.rendezvous.etcd import client, streams
 
     counts: collections.Counter = collections.Counter()
     lock = threading.Lock()
-    request, stream = client.EtcdClient.request, client._RangeStream._stream
+    request, open_stream, grant = client.EtcdClient.request, streams.open_stream, client.EtcdClient.grant
 
-    def counted_request(self, path: str, body: dict) -> dict:
+    def counted_request(self, path: str, body: dict, timeout: float | None = None) -> dict:
         kind = {"/kv/range": "range", "/kv/put": "put", "/kv/txn": "txn", "/lease/grant": "lease grant",
                 "/lease/keepalive": "keep-alive", "/kv/deleterange": "delete",
                 "/kv/lease/revoke": "lease revoke"}.get(path, path)
@@ -86,22 +87,38 @@ def _count_requests() -> collections.Counter:
         with lock:
             counts[kind] += 1
         try:
-            return request(self, path, body)
+            return request(self, path, body, timeout)
         except Exception as exc:
             text = str(exc).lower()
-            why = next((w for w in ("timed out", "applied index", "lease not found", "too many requests")
-                        if w in text), type(exc).__name__)
+            why = next((w for w in ("timed out", "applied index", "lease not found", "too many requests",
+                                    "lease already exists") if w in text), type(exc).__name__)
             with lock:
                 counts[f"failed {kind}: {why}"] += 1
             raise
 
-    def counted_stream(self, index: int) -> None:
+    def counted_grant(self, ttl: int, lease_id: int = 0) -> int:
+        lease = grant(self, ttl, lease_id)
         with lock:
-            counts["watch stream"] += 1
-        return stream(self, index)
+            counts["leases granted (job)" if ttl >= 60 else "leases granted"] += 1
+        return lease
+
+    def counted_open(client_, index: int, path: str, timeout: float):
+        with lock:
+            counts[f"stream {path}"] += 1
+        ws = open_stream(client_, index, path, timeout)
+        send = ws.send
+
+        def counted_send(text, *args, **kwargs):
+            with lock:
+                counts[f"message on {path}"] += 1
+            return send(text, *args, **kwargs)
+
+        ws.send = counted_send
+        return ws
 
     client.EtcdClient.request = counted_request
-    client._RangeStream._stream = counted_stream
+    client.EtcdClient.grant = counted_grant
+    streams.open_stream = counted_open
     return counts
 
 
@@ -193,12 +210,14 @@ def one_round(cluster, nodes: int, procs: int, token: bool, tag: int, conf: str 
     requests: collections.Counter = collections.Counter()
     for d in done:
         requests.update(d["requests"])
-    total = sum(v for k, v in requests.items() if not k.startswith("failed"))  # failures are counted twice
+    total = sum(v for k, v in requests.items() if not k.startswith(("failed", "leases", "stream", "message")))
+    streams = sum(v for k, v in requests.items() if k.startswith("stream"))
     return {"nodes": nodes, "procs": procs, "token": token, "conf": conf, "round_s": round(seconds, 3),
             "agents_done": len(ends), "errors": errors[:3],
             "load_avg_1min": round(load, 1), "etcd_cpu_s": round(etcd_cpu, 2),
             "agents_cpu_s": round(sum(d["cpu_s"] for d in done), 2),
-            "requests_per_agent": round(total / nodes, 2),
+            "requests_per_agent": round(total / nodes, 2), "streams_per_agent": round(streams / nodes, 2),
+            "leases_per_agent": round(requests.get("leases granted", 0) / nodes, 2),
             "by_kind_per_agent": {k: round(v / nodes, 2) for k, v in requests.most_common()},
             "requests_per_s": round(total / seconds), "watch_events": sum(d["events"] for d in done)}
 

@@ -74,12 +74,67 @@ CONNECTING = 8
 TOKEN = "bench-token-0123456789abcdef0123456789abcdef"
 
 
+try:  # the rosters of elastrun.rendezvous.seats (absent in the code before it, which this bench also runs)
+    from elastrun.rendezvous import seats as _ROSTER
+except ImportError:
+    _ROSTER = None
+
+
+def _seated(handler, key: str, raw: bytes) -> bool:
+    """Whether the result ``raw`` is a seated round's header (each node then reads its own seat)."""
+    if _ROSTER is None or len(raw) > 4096:  # a full member list of thousands: not a header
+        return False
+    from elastrun.rendezvous.rounds import decode_result
+
+    return _ROSTER.is_seated(decode_result(handler._auth.open(key, raw)))
+
+
+def _sink() -> int:
+    """A listening port that accepts connections and never answers (see ``_start_link``)."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("0.0.0.0", 0))
+    server.listen(512)
+    held = []
+
+    def serve() -> None:
+        while True:
+            conn, _ = server.accept()
+            held.append(conn)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server.getsockname()[1]
+
+
+def node_info(i: int, ids: str):
+    """Node ``i``'s info: bench ids (``node00042`` on 127.0.0.1), or realistic ones like an agent's
+    (``host-pid-xxxx``, a host name, a distinct loopback address per node; node 0 keeps 127.0.0.1,
+    where it hosts the store)."""
+    from elastrun.rendezvous.api import NodeInfo
+
+    if ids == "bench":
+        return NodeInfo(node_id=f"node{i:05d}", addr="127.0.0.1", nproc=1, hostname=f"h{i}", pid=i)
+    host = f"gpu-a100-{i:05d}"
+    pid = 100_000 + (i * 7919) % 900_000
+    j = i + 1
+    addr = "127.0.0.1" if i == 0 else f"127.{(j >> 16) & 255}.{(j >> 8) & 255}.{(j & 255) or 1}"
+    return NodeInfo(node_id=f"{host}-{pid}-{(i * 40503) & 0xffff:04x}", addr=addr, nproc=8, hostname=host, pid=pid)
+
+
 class _SharedParse:
     """One parse of a round's result per process, shared by its light nodes."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.rounds: dict[int, tuple] = {}
+        self._rosters: dict[int, object] = {}
+
+    def roster(self, round_: int, members):
+        with self.lock:
+            if round_ not in self._rosters:
+                self._rosters[round_] = _ROSTER.FullRoster(members)
+            return self._rosters[round_]
 
     def get(self, handler, round_: int, key: str, raw: bytes) -> tuple:
         from elastrun.rendezvous.api import Member
@@ -131,13 +186,17 @@ def light_handler_class():
         joined_at: list[float] = []
         fetched_at: list[float] = []
         result_bytes = 0
+        sink_port = 0
 
         def _await_close(self, round_, idx, deadline):
             self.joined_at.append(time.time())
             return super()._await_close(round_, idx, deadline)
 
         def _start_link(self, node) -> None:
-            node.link_port = 0  # one liveness link per real agent; a simulated node holds none
+            # One liveness link per real agent; a simulated node holds none.  With realistic ids it
+            # names the port of its process's sink (accepts, never answers: a watcher's link to it
+            # then says nothing, as to a silent node), so the bytes of its node info are realistic.
+            node.link_port = LightHandler.sink_port
 
         def _start_heartbeat(self) -> None:
             if self._heartbeat is None:  # the beater's next turn is its first beat, as a thread's would be
@@ -156,6 +215,9 @@ def light_handler_class():
                 raw = self._peek(key)  # the whole document comes over the wire, as for a full node
             self.fetched_at.append(time.time())
             LightHandler.result_bytes = len(raw)
+            if _seated(self, key, raw):  # a member reads its own seat: O(1) per node, the real path
+                self._fetched = (key, raw)
+                return super()._await_result(round_, node, deadline)
             doc, members, ring, by_id, world = self.shared.get(self, round_, key, raw)
             me = by_id.get(node.node_id)
             if me is None or me.group_rank == 0:
@@ -167,7 +229,10 @@ def light_handler_class():
                                  group_world_size=len(members), rank_offset=me.rank_offset, world_size=world,
                                  role_rank_offset=me.role_rank_offset, role_world_size=world,
                                  store_addr=store_addr, store_port=int(store_port), members=members)
-            self._adopt(round_, result, ring, by_id)  # the shared parse's ring and members, not copies
+            if _ROSTER:  # the shared parse's members, not copies
+                self._adopt(round_, result, self.shared.roster(round_, members))
+            else:  # the code before seats.py (to measure it with this bench)
+                self._adopt(round_, result, ring, by_id)
             return result
 
         def close(self) -> None:
@@ -193,7 +258,7 @@ def _store_thread_cpu() -> float:
     return total
 
 
-def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, full_every: int) -> None:
+def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, full_every: int, ids: str) -> None:
     """One process of simulated nodes: connect, say ready, join on "go", report, heartbeat, close."""
     import signal
 
@@ -202,13 +267,15 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
     set_parent_death_signal(signal.SIGKILL)  # in a session of its own: no terminal signal reaches it
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
+    from elastrun.rendezvous.api import RendezvousParameters
     from elastrun.rendezvous.c10d import StoreRendezvousHandler
     from elastrun.rendezvous.endpoint import split_endpoint
     from elastrun.rendezvous.rounds import decode_result
 
     light = light_handler_class()
     light.beater = _Beater(0.5)
+    if ids == "realistic":
+        light.sink_port = _sink()
 
     def params(i: int) -> RendezvousParameters:
         return RendezvousParameters(
@@ -251,8 +318,7 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
         go.wait()
         try:
             cpu = time.thread_time()
-            results[i] = handlers[i].next_round(NodeInfo(node_id=f"node{i:05d}", addr="127.0.0.1", nproc=1,
-                                                         hostname=f"h{i}", pid=i))
+            results[i] = handlers[i].next_round(node_info(i, ids))
             ends[i] = time.time()
             join_cpu[i] = time.thread_time() - cpu
         except Exception as exc:
@@ -281,7 +347,8 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
     store_cpu_round = _store_thread_cpu() - store_cpu_go
     full = [i for i in ends if i % full_every == 0]
     ranks = sorted(r.group_rank for r in results.values())
-    agree = all(results[i].group_world_size == nodes and results[i].world_size == nodes for i in results)
+    per_node = 1 if ids == "bench" else 8
+    agree = all(results[i].group_world_size == nodes and results[i].world_size == nodes * per_node for i in results)
     closed_at = closer = None
     if full:
         raw = handlers[full[0]]._read(handlers[full[0]]._r(0, "result"))
@@ -337,7 +404,20 @@ def parse_ms(nodes: int, token: bool) -> float:
     return (time.perf_counter() - started) / repeat * 1e3
 
 
-def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_every: int) -> dict:
+def _wire_bytes() -> int | None:
+    """Bytes sent on loopback so far, when the bench runs in a network namespace of its own (then all
+    of it is the bench's: the round's store traffic); None elsewhere (other traffic shares it)."""
+    if not os.environ.get("ELASTRUN_BENCH_NETNS"):
+        return None
+    with open("/proc/net/dev") as f:  # this namespace's (sysfs shows the one it was mounted in)
+        for line in f:
+            name, _, counters = line.partition(":")
+            if name.strip() == "lo":
+                return int(counters.split()[8])  # bytes transmitted
+    return None
+
+
+def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_every: int, ids: str = "bench") -> dict:
     """Run one measured round (and heartbeat window); returns its figures."""
     import psutil
 
@@ -357,7 +437,7 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
     children = []
     for p in range(len(share)):
         argv = [PYTHON, "-m", "bench.bench_rendezvous_scale", "--child", str(port), str(starts[p]), str(share[p]),
-                str(nodes), str(beat_seconds), str(full_every)]
+                str(nodes), str(beat_seconds), str(full_every), ids]
         children.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=None, text=True, start_new_session=True))
         if p == 0:
@@ -373,9 +453,12 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
         connections = sum(1 for c in psutil.net_connections("tcp")
                           if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED)
         load = round(os.getloadavg()[0], 1)
+        wire_go = _wire_bytes()
         go = time.time()
         tell(children, "go")
         done = read_lines(children)
+        wire_end = _wire_bytes()
+        wire_round = None if wire_go is None or wire_end is None else wire_end - wire_go
         if sum(d.get("joined", 0) for d in done) != nodes:
             raise RuntimeError(f"round incomplete: {[{k: d.get(k) for k in ('joined', 'errors')} for d in done]}")
         ranks = sorted(r for d in done for r in d["ranks"])
@@ -405,7 +488,9 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
             except subprocess.TimeoutExpired:
                 c.kill()
                 c.wait()
-    return {"nodes": nodes, "procs": procs, "token": token, "round_s": round(seconds, 3),
+    return {"nodes": nodes, "procs": procs, "token": token, "ids": ids, "round_s": round(seconds, 3),
+            "wire_bytes_in_round": wire_round,
+            "wire_bytes_per_node": None if wire_round is None else round(wire_round / nodes),
             "joins_written_s": phases["joins_written"], "closed_after_s": round(closed_at - go, 3), "closer": closer,
             "first_result_fetched_s": phases["first_fetch"], "last_result_fetched_s": phases["last_fetch"],
             "result_bytes": result_bytes, "load_at_go": load, "full_nodes": sum(d["full"] for d in done),
@@ -518,8 +603,8 @@ def main() -> None:
         store_ops(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        port, first, count, nodes, beat_seconds, full_every = sys.argv[2:8]
-        child(int(port), int(first), int(count), int(nodes), float(beat_seconds), int(full_every))
+        port, first, count, nodes, beat_seconds, full_every, ids = sys.argv[2:9]
+        child(int(port), int(first), int(count), int(nodes), float(beat_seconds), int(full_every), ids)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[1024])
@@ -527,6 +612,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--token", action="store_true")
     parser.add_argument("--beat-seconds", type=float, default=5.0)
+    parser.add_argument("--ids", choices=("bench", "realistic"), default="realistic",
+                        help="node ids, hosts and addresses: short bench ones, or like real agents' (node_info)")
     parser.add_argument("--full-every", type=int, default=64,
                         help="every Nth node runs the real handler end to end; the others are light (docstring)")
     parser.add_argument("--no-netns", action="store_true", help="stay in this network namespace (see docstring)")
@@ -548,7 +635,7 @@ def main() -> None:
             print(json.dumps(auth_cost(nodes)), flush=True)
         return
     for nodes in args.nodes:
-        rows = [one_round(nodes, args.procs, args.token, args.beat_seconds, args.full_every)
+        rows = [one_round(nodes, args.procs, args.token, args.beat_seconds, args.full_every, args.ids)
                 for _ in range(args.repeat)]
         for row in rows:
             print(json.dumps(row), flush=True)

@@ -236,6 +236,18 @@ class RendezvousHandler(abc.ABC):
     #: (the ``elastrun.rendezvous`` logger).
     on_warning: Callable[[str, dict[str, Any]], None] | None = None
 
+    #: Receives the line of a node that waits in the rendezvous (who joined, who is awaited, the
+    #: time-out: :mod:`elastrun.rendezvous.waiting`), at most every ``wait_report_interval`` s.
+    #: Unset, it goes to the console at info level (``-q`` silences it).
+    on_wait: Callable[[str], None] | None = None
+
+    def say_waiting(self, line: str) -> None:
+        """Report that this node still waits in the rendezvous: to :attr:`on_wait` or the console."""
+        if self.on_wait is not None:
+            self.on_wait(line)
+        else:
+            log.get("rendezvous").info(line)
+
     def warn(self, message: str, **fields: Any) -> None:
         """Report a rendezvous warning: one line, to :attr:`on_warning` or the console."""
         if self.on_warning is not None:

@@ -15,8 +15,6 @@ total (no compare-and-set storm on a shared blob).
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import functools
 import os
 import threading
 import time
@@ -31,23 +29,16 @@ from elastrun.rendezvous.api import (
     Member,
     NodeInfo,
     RendezvousConfigError,
-    RendezvousConnectionError,
     RendezvousHandler,
     RendezvousParameters,
     RendezvousTimeoutError,
     RoundChange,
     RoundResult,
 )
-from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth, load_token
-from elastrun.rendezvous.endpoint import (
-    host_worker_store,
-    is_local_host,
-    route_address,
-    split_endpoint,
-    torch_at_least,
-)
+from elastrun.rendezvous.auth import JobToken, load_token
+from elastrun.rendezvous.endpoint import host_worker_store, route_address, split_endpoint
 from elastrun.rendezvous.keepalive import Heartbeat, RingWatch
-from elastrun.rendezvous.link import Link, Wakeup, listen_for_watchers, ring_successor
+from elastrun.rendezvous.link import Link, Wakeup, listen_for_watchers
 from elastrun.rendezvous.rounds import (
     CloseInputs,
     assign_ranks,
@@ -55,11 +46,24 @@ from elastrun.rendezvous.rounds import (
     decode_result,
     encode_result,
     judge_round_end,
-    member_view,
     result_document,
     timeout_error,
 )
+from elastrun.rendezvous.seats import (
+    FULL_LIST_MAX,
+    FullRoster,
+    Roster,
+    SeatedRoster,
+    all_members,
+    is_seated,
+    member_result,
+    read_seat,
+    split_result,
+)
+from elastrun.rendezvous.store_client import StoreClient, all_present, store_errors
 from elastrun.rendezvous.store_status import read_job_status
+from elastrun.rendezvous.waiting import DEFAULT_INTERVAL as DEFAULT_WAIT_REPORT
+from elastrun.rendezvous.waiting import NAMED, waiting_line
 
 #: ``--rdzv-conf`` keys of the store backends, with defaults.
 CONFIG_KEYS: dict[str, conf.Key] = {
@@ -71,6 +75,7 @@ CONFIG_KEYS: dict[str, conf.Key] = {
     "host_linger": conf.Key("seconds", 30.0),
     "is_host": conf.Key("bool"),
     "token_file": conf.Key("text"),
+    "wait_report_interval": conf.Key("seconds", DEFAULT_WAIT_REPORT),
 }
 #: torchrun's names accepted as aliases.
 CONFIG_ALIASES = {"keep_alive_interval": "heartbeat_interval", "timeout": "join_timeout"}
@@ -101,20 +106,12 @@ _STUCK_CLOSER_TIMEOUTS = 4.0
 _SLOT_WAIT = 5.0
 #: Rounds whose keys stay in the store behind the one being closed; the closer deletes older ones.
 KEEP_ROUNDS = 8
-#: The keys of a round besides its join slots and its per-node markers (docs/rendezvous-protocol.md).
+#: The keys of a round besides its join slots, its per-node markers, seats and parts
+#: (docs/rendezvous-protocol.md).
 _ROUND_KEYS = ("joined", "rejoined", "closed", "result", "store", "signal", "gone", "gone_list", "fail_list",
                "grown", "done", "done_list")
 #: How long members wait for group rank 0 to publish the workers' store before giving up on it.
 _STORE_WAIT = 15.0
-#: What :meth:`StoreRendezvousHandler._peek` compares with: no value the protocol writes equals it.
-_ABSENT = "\x00elastrun:absent\x00"
-_ABSENT_BYTES = _ABSENT.encode()
-#: Longest single connection attempt to the job's store.  With thousands of agents connecting at
-#: once some are accepted only after TCP's SYN retries (1, 3, 7, 15 s): a shorter attempt would
-#: give up on a connection about to succeed and start over at the back of the queue.
-_CONNECT_WAIT = 30.0
-
-
 def parse_config(params: RendezvousParameters) -> dict[str, Any]:
     """Typed ``--rdzv-conf`` values; unknown keys are an error that lists the known ones."""
     values = conf.read(params.config, CONFIG_KEYS, params.backend, CONFIG_ALIASES)
@@ -128,24 +125,7 @@ def parse_config(params: RendezvousParameters) -> dict[str, Any]:
     return values
 
 
-def _store_errors(method):
-    """Turn errors of the store client into :class:`RendezvousConnectionError` with an explanation."""
-
-    @functools.wraps(method)
-    def wrapper(self: StoreRendezvousHandler, *args, **kwargs):
-        try:
-            return method(self, *args, **kwargs)
-        except (RendezvousConnectionError, JobFailedError, JobFinishedError, RendezvousTimeoutError):
-            raise
-        except RendezvousConfigError:
-            raise
-        except Exception as exc:
-            raise self.store_lost_error(exc) from exc
-
-    return wrapper
-
-
-class StoreRendezvousHandler(RendezvousHandler):
+class StoreRendezvousHandler(StoreClient):
     """Rendezvous rounds on a ``TCPStore``; see the module docstring and docs/rendezvous-protocol.md."""
 
     backend_name = "c10d"
@@ -169,11 +149,9 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._node: NodeInfo | None = None
         self._round: int | None = None
         self._result: RoundResult | None = None
-        #: Node ids of the current round in group-rank order; replaced whole, never changed in place.
-        self._ring: list[str] = []
-        #: This node's place in ``_ring``, and the round's members by node id: a beat is O(1) at any size.
-        self._ring_pos = 0
-        self._members: dict[str, Member] = {}
+        #: The current round's members as this node knows them (:mod:`elastrun.rendezvous.seats`): the
+        #: whole list in a round of up to 64, else its own seat and the seats its ring walk read.
+        self._roster: Roster | None = None
         self._seen_signal = 0
         self._worker_store = None
         #: ``(key, raw value)`` of the result a follower read together with ``closed``.
@@ -193,145 +171,17 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._registered = False
         self._closed = False
 
-    # ------------------------------------------------------------------ store plumbing
-    def _connect(self, host: str, port: int, is_host: bool | None):
-        import torch.distributed as dist
 
-        timeout = datetime.timedelta(seconds=float(self.conf["read_timeout"]))
-        must_host = bool(is_host)
-        if is_host is None:
-            is_host = is_local_host(host)
-        if is_host:
-            try:
-                # torch 2.3's libuv server (experimental there) kills its clients' agents: the classic one.
-                self._server = dist.TCPStore(
-                    host, port, is_master=True, wait_for_workers=False, use_libuv=torch_at_least(2, 4), timeout=timeout
-                )
-                self.store_port = self._server.port
-                return self._server
-            except Exception as exc:  # port taken: another agent on this host may be the host
-                if must_host or port == 0:
-                    raise RendezvousConnectionError(
-                        f"could not start the rendezvous store on {host}:{port}: {exc}; "
-                        "is the port in use by another job? choose another port"
-                    ) from exc
-        deadline = time.monotonic() + self.join_timeout
-        last_error: Exception | None = None
-        while time.monotonic() < deadline:
-            try:
-                connect_timeout = datetime.timedelta(seconds=max(1.0, min(_CONNECT_WAIT, deadline - time.monotonic())))
-                store = dist.TCPStore(host, port, is_master=False, timeout=connect_timeout)
-                store.set_timeout(timeout)
-                return store
-            except Exception as exc:
-                last_error = exc
-                time.sleep(0.2)
-        raise RendezvousTimeoutError(
-            f"could not reach the rendezvous store at {host}:{port} within {self.join_timeout:g} s "
-            f"(join_timeout): is the agent on {host} running and is --rdzv-endpoint right? last error: {last_error}"
-        )
-
-    def _second_connection(self):
-        """Another client connection to the store, for the heartbeat thread (a client is not
-        shared between threads).  ``Store.clone()`` where torch has it (2.5+); before, a new client."""
-        if hasattr(self._store, "clone"):
-            return self._store.clone()
-        import torch.distributed as dist
-
-        store = dist.TCPStore(self.store_host, self.store_port, is_master=False,
-                              timeout=datetime.timedelta(seconds=_CONNECT_WAIT))
-        store.set_timeout(datetime.timedelta(seconds=float(self.conf["read_timeout"])))
-        return store
-
-    def _authenticate(self, token: JobToken) -> JobAuth | NoAuth:
-        """Publish (store host) or read (others) the job's ``auth`` marker and check this node's token.
-
-        Raises :class:`~elastrun.rendezvous.auth.JobTokenRejected` when the token does not match.
-        """
-        key = token.marker_key()
-        if self._server is not None:
-            marker = self._store.compare_set(key, "", token.new_marker())
-        else:
-            if not self._wait(key, self.join_timeout):
-                raise RendezvousTimeoutError(
-                    f"the rendezvous store at {self.store_host}:{self.store_port} holds no job {self.run_id!r} "
-                    f"after {self.join_timeout:g} s (join_timeout); is --rdzv-id right?"
-                )
-            marker = self._store.get(key)
-        return token.accept(marker, f"{self.store_host}:{self.store_port}")
-
-    def _report_forged(self, key: str, why: str) -> None:
-        self.warn(f"ignored a value in the rendezvous store that is not authentic: {key} ({why})",
-                  kind="forged_value", key=key, why=why)
-
-    def store_lost_error(self, exc: BaseException) -> RendezvousConnectionError:
-        return RendezvousConnectionError(
-            f"lost the rendezvous store at {self.store_host}:{self.store_port} ({exc}). The c10d backend keeps "
-            f"the job's state in the agent on {self.store_host}; that agent is gone, so this job cannot continue. "
-            "Use --rdzv-backend=etcd with an etcd cluster to survive the loss of any node."
-        )
-
-    def _k(self, *parts: object) -> str:
-        return self._prefix + "/".join(str(p) for p in parts)
-
-    def _r(self, round_: int, *parts: object) -> str:
-        return self._k(f"r{round_}", *parts)
-
-    def _count(self, key: str, store=None) -> int:
-        return int((store or self._store).add(key, 0))
-
-    def _exists(self, key: str, store=None) -> bool:
-        return bool((store or self._store).check([key]))
-
-    def _get(self, key: str, store=None) -> bytes:
-        return (store or self._store).get(key)
-
-    def _put(self, key: str, value: str, store=None) -> None:
-        """Write ``value`` under ``key``, sealed with the job token when there is one."""
-        (store or self._store).set(key, self._auth.seal(key, value))
-
-    def _peek(self, key: str, store=None) -> bytes | None:
-        """The raw value under ``key``, or None when it is absent: one store operation, never blocks.
-
-        ``compare_set`` with a sentinel that no value equals answers the current value, or the
-        sentinel itself when the key is absent, and writes nothing (``get`` would block on an
-        absent key, and ``check`` + ``get`` costs two round trips).
-        """
-        raw = (store or self._store).compare_set(key, _ABSENT, _ABSENT)
-        return None if raw == _ABSENT_BYTES else raw
-
-    def _read(self, key: str, store=None) -> str | None:
-        """The authentic value under ``key``, or None when it is absent or not authentic (reported once)."""
-        raw = self._peek(key, store)
-        return None if raw is None else self._auth.open(key, raw)
-
-    def _claim(self, key: str, value: str, store=None) -> tuple[bool, str | None]:
-        """``compare_set`` ``key`` from absent to ``value``: (whether this call won, the authentic value now)."""
-        sealed = self._auth.seal(key, value)
-        raw = (store or self._store).compare_set(key, "", sealed)
-        won = raw == (sealed.encode() if isinstance(sealed, str) else sealed)
-        return won, value if won else self._auth.open(key, raw)
-
-    def _append(self, key: str, line: str, store=None) -> None:
-        (store or self._store).append(key, self._auth.seal_line(key, line))
-
-    def _lines(self, key: str, store=None) -> list[str]:
-        """The authentic lines of the list under ``key`` (empty when absent)."""
-        raw = self._peek(key, store)
-        return [] if raw is None else self._auth.open_lines(key, raw)
-
-    def _wait(self, key: str | list[str], timeout: float) -> bool:
-        """Block until ``key`` (every key of a list) exists or ``timeout`` passes (one store operation)."""
-        keys = [key] if isinstance(key, str) else key
-        if timeout <= 0:
-            return bool(self._store.check(keys))
-        try:
-            self._store.wait(keys, datetime.timedelta(seconds=timeout))
-            return True
-        except Exception as exc:
-            if "timeout" in str(exc).lower():
-                return False
-            raise
+    def _waiting_line(self, round_: int, prev: _PrevRound | None, deadline: float) -> str:
+        """The line of this node waiting for ``round_`` to close: the joins so far and the first joiners' hosts."""
+        joined = self._count(self._r(round_, "joined"))
+        hosts = []
+        for idx in range(1, min(joined, NAMED) + 1):
+            info = self._read(self._r(round_, "node", idx))
+            if info is not None:
+                hosts.append(NodeInfo.from_json(info).hostname or NodeInfo.from_json(info).node_id)
+        why = "" if prev is None else f"the group of round {round_ - 1} to re-form (its members rejoin or are lost)"
+        return waiting_line(round_, joined, self.min_nodes, self.max_nodes, hosts, deadline, why)
 
     # ------------------------------------------------------------------ heartbeats
     def _start_heartbeat(self) -> None:
@@ -349,11 +199,14 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._put(self._k("hb", self._node.node_id), f"{self._hb_counter}:{time.time():.3f}", store)
         self._error = None
         with self._lock:
-            round_, ring, pos, members = self._round, self._ring, self._ring_pos, self._members
-            if self._link_lost:
-                self._link_lost = {n for n in self._link_lost if n in members}
-        target = self._ring_target(round_, ring, pos, store)
-        member = members.get(target) if target is not None else None
+            round_, roster, link_lost = self._round, self._roster, set(self._link_lost)
+        fetch = self._seat_reader(round_, store)
+        if link_lost:
+            stale = {n for n in link_lost if roster is None or not roster.is_member(n, fetch)}
+            with self._lock:
+                self._link_lost -= stale
+        member = self._ring_target(round_, roster, store)
+        target = member.node_id if member is not None else None
         if self._link is not None:
             self._link.watch(target, member.addr if member else "", member.link_port if member else 0)
         if target is None:
@@ -373,16 +226,17 @@ class StoreRendezvousHandler(RendezvousHandler):
         if self._heartbeat is not None:
             self._heartbeat.wake()  # watch the next successor now: it may be gone too
 
-    def _ring_target(self, round_: int | None, ring: list[str], pos: int, store) -> str | None:
-        """The first successor of this node (at ``ring[pos]``) in the ring of ``round_`` not already known dead."""
+    def _ring_target(self, round_: int | None, roster: Roster | None, store) -> Member | None:
+        """The first successor of this node in the ring of ``round_`` not already known dead."""
         assert self._node is not None
-        if round_ is None or len(ring) < 2:
+        if round_ is None or roster is None:
             return None
-        for step in range(1, len(ring)):
-            target = ring[(pos + step) % len(ring)]
-            if self._read(self._r(round_, "dead", target), store) is None:
-                return target
-        return None
+        return roster.ring_walk(self._node.node_id, lambda n: self._read(self._r(round_, "dead", n), store) is not None,
+                                self._seat_reader(round_, store))
+
+    def _seat_reader(self, round_: int | None, store=None):
+        """Reads a member's seat of ``round_`` (a seated round: :mod:`elastrun.rendezvous.seats`) over ``store``."""
+        return lambda node_id: None if round_ is None else self._read(self._r(round_, "seat", node_id), store)
 
     def _start_link(self, node: NodeInfo) -> None:
         """Listen for this node's watcher before its info (which carries the port) is published."""
@@ -426,7 +280,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         return True
 
     # ------------------------------------------------------------------ the round
-    @_store_errors
+    @store_errors
     def next_round(self, node: NodeInfo) -> RoundResult:
         started = time.monotonic()
         deadline = started + self.join_timeout
@@ -489,15 +343,36 @@ class StoreRendezvousHandler(RendezvousHandler):
         joined = self._count(self._r(round_, "joined"))
         return timeout_error(self.run_id, self.join_timeout, round_, self.min_nodes, self.max_nodes, joined)
 
-    def _prev_members(self, round_: int) -> list[str] | None:
-        """Node ids of the members of round ``round_ - 1`` (None: no completed previous round)."""
+    def _prev_members(self, round_: int) -> _PrevRound | None:
+        """The members of round ``round_ - 1`` (None: no completed previous round)."""
+        if self._result is not None and self._result.round == round_ - 1 and isinstance(self._roster, FullRoster):
+            return _PrevRound(self._roster.size, [m.node_id for m in self._roster.known()])  # this node's own copy
         if self._result is not None and self._result.round == round_ - 1:
-            return [m.node_id for m in self._result.members]  # this node's own copy of that round
+            return _PrevRound(self._result.group_world_size, None, lambda: self._member_ids(round_ - 1))
         raw = None if round_ == 0 else self._read(self._r(round_ - 1, "result"))
         if raw is None:
             return None
         doc = decode_result(raw)
-        return None if doc.get("abort") else [m["node_id"] for m in doc["members"]]
+        if doc.get("abort"):
+            return None
+        if is_seated(doc):
+            return _PrevRound(int(doc["size"]), None, lambda: self._member_ids(round_ - 1, doc))
+        return _PrevRound(len(doc["members"]), [m["node_id"] for m in doc["members"]])
+
+    def _member_ids(self, round_: int, doc: dict | None = None) -> list[str]:
+        """Every member of closed round ``round_`` (reads a seated round's parts: O(n), for the few
+        that need the whole list); empty when its result cannot be read."""
+        if doc is None:
+            raw = self._read(self._r(round_, "result"))
+            doc = decode_result(raw) if raw is not None else None
+        if doc is None:
+            return []
+        members = all_members(doc, lambda count: [self._read(k) for k in self._part_keys(round_, count)]
+                              if count else [])
+        return [m["node_id"] for m in members or []]
+
+    def _part_keys(self, round_: int, count: int) -> list[str]:
+        return [self._r(round_, "part", k) for k in range(count)]
 
     def _await_close(self, round_: int, idx: int, deadline: float) -> int:
         """Wait until round ``round_`` closes; the first joiner (and, as a fallback, the others) closes it.
@@ -519,10 +394,12 @@ class StoreRendezvousHandler(RendezvousHandler):
         # Waiting for both keys, not ``closed`` alone, wakes each follower once per round.
         look = idx == 1
         held = False  # ``closed`` exists but is not authentic (forged): poll instead of waiting
+        report = self._wait_report()
         while True:
             now = time.monotonic()
             if now >= deadline:
                 raise self._timeout_error(round_)
+            report.tick(lambda: self._waiting_line(round_, prev, deadline))
             if look:
                 raw = self._peek(closed_key)
                 closed = None if raw is None else self._auth.open(closed_key, raw)
@@ -552,7 +429,7 @@ class StoreRendezvousHandler(RendezvousHandler):
                     joined=joined,
                     min_nodes=self.min_nodes,
                     max_nodes=self.max_nodes,
-                    prev_members=None if prev is None else len(prev),
+                    prev_members=None if prev is None else prev.count,
                     prev_accounted=accounted,
                     since_min=None if min_reached is None else now - min_reached,
                     last_call=float(self.conf["last_call_timeout"]),
@@ -609,7 +486,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         return not watch.observe(self._read(self._k("hb", watch.target)))
 
     def _verified_close(
-        self, round_: int, hints: CloseInputs, prev: list[str] | None, slots: _Slots
+        self, round_: int, hints: CloseInputs, prev: _PrevRound | None, slots: _Slots
     ) -> tuple[int | None, list[tuple[int, NodeInfo]] | None]:
         """With a job token: the close decision taken again on authentic joins, departures and finishes.
 
@@ -618,7 +495,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         infos = slots.read(self, round_, hints.joined)
         accounted = 0
         if prev is not None:
-            prev_ids = set(prev)
+            prev_ids = set(prev.node_ids())
             present = {info.node_id for _, info in infos}
             gone = set(self._lines(self._r(round_ - 1, "gone_list")))
             done = set(self._lines(self._r(round_ - 1, "done_list")))
@@ -644,7 +521,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         else:
             keys = [self._r(round_, "node", i) for i in range(1, size + 1)]
             # A joiner writes its info right after taking its slot; allow a moment for the last ones.
-            if _all_present(self._store, keys, _SLOT_WAIT):
+            if all_present(self._store, keys, _SLOT_WAIT):
                 raw = list(zip(keys, self._store.multi_get(keys), strict=True))
             else:  # a joiner died between taking a slot and filling it: leave it out of the round
                 raw = [(k, self._get(k)) for k in keys if self._exists(k)]
@@ -682,6 +559,13 @@ class StoreRendezvousHandler(RendezvousHandler):
                 self._put(self._r(round_, "store"), extra["store"])
         doc = result_document(members, generation, restarts_used, self.params.max_restarts, abort, abort_code, lost,
                               **extra)
+        if len(members) > FULL_LIST_MAX:
+            # Each member reads its own seat, not the whole list (O(n) bytes per round, not O(n²)); the
+            # seats and parts go first, so a member that sees the result finds its seat.
+            doc, seats, parts = split_result(doc)
+            keys = [self._r(round_, "seat", n) for n in seats] + self._part_keys(round_, len(parts))
+            values = [*seats.values(), *parts]
+            self._store.multi_set(keys, [self._auth.seal(k, v) for k, v in zip(keys, values, strict=True)])
         self._put(self._r(round_, "result"), encode_result(doc))
         if abort is not None:
             self._put(self._k("abort_code"), str(abort_code))
@@ -704,10 +588,14 @@ class StoreRendezvousHandler(RendezvousHandler):
                 return
             raw = self._read(self._r(old, "result"), store)
             doc = decode_result(raw) if raw is not None else {}
-            ids = [m["node_id"] for m in doc.get("members", [])]
+            parts = int(doc.get("parts", 0)) if is_seated(doc) else 0
+            members = all_members(doc, lambda count: [self._read(k, store) for k in self._part_keys(old, count)]) \
+                if doc else []
+            ids = [m["node_id"] for m in members or []]
             joined = self._count(self._r(old, "joined"), store)
             keys = [self._r(old, "node", i) for i in range(1, joined + 1)]
-            keys += [self._r(old, kind, n) for n in ids for kind in ("dead", "fail")]
+            keys += [self._r(old, kind, n) for n in ids for kind in ("dead", "fail", "seat")]
+            keys += self._part_keys(old, parts)
             keys += [self._r(old, k) for k in _ROUND_KEYS]
             for key in keys:
                 store.delete_key(key)
@@ -757,10 +645,18 @@ class StoreRendezvousHandler(RendezvousHandler):
         doc = decode_result(value)
         if doc.get("abort"):
             raise JobFailedError("the job was ended", doc["abort"], int(doc.get("abort_code", 1)))
-        members = [Member(**m) for m in doc["members"]]
-        me = next((m for m in members if m.node_id == node.node_id), None)
-        if me is None:
-            return None
+        roster: Roster
+        if is_seated(doc):
+            seat = self._read(self._r(round_, "seat", node.node_id))
+            if seat is None:
+                return None  # not a member
+            me, after = read_seat(seat)
+            roster = SeatedRoster(int(doc["size"]), me, after)
+        else:
+            roster = FullRoster(Member(**m) for m in doc["members"])
+            me = next((m for m in roster.known() if m.node_id == node.node_id), None)
+            if me is None:
+                return None
         store_key = self._r(round_, "store")
         address = doc.get("store")  # the closer, as group rank 0, started the workers' store already
         if address is not None and me.group_rank != 0:
@@ -775,31 +671,25 @@ class StoreRendezvousHandler(RendezvousHandler):
             except TimeoutError:
                 raise self._timeout_error(round_) from None
         if address is None:
-            host = next(m for m in members if m.group_rank == 0)
-            self._declare_gone(round_, host.node_id, f"dead:{node.node_id}")
+            self._declare_gone(round_, doc.get("rank0") or roster.known()[0].node_id, f"dead:{node.node_id}")
             return None
         store_addr, _, store_port = address.rpartition(":")
-        ordered = sorted(members, key=lambda m: m.group_rank)
-        result = member_view(round_, doc, members, me, store_addr, int(store_port))
-        self._adopt(round_, result, [m.node_id for m in ordered], {m.node_id: m for m in members})
+        result = member_result(round_, doc, me, roster, store_addr, int(store_port))
+        self._adopt(round_, result, roster)
         if self._link is not None:  # link to the new ring successor now (the next beat checks the rest)
-            after = ring_successor(ordered, node.node_id, set())
+            after = roster.successor(node.node_id, self._seat_reader(round_))
             self._link.watch(after.node_id if after else None, after.addr if after else "",
                              after.link_port if after else 0)
         return result
 
-    def _adopt(self, round_: int, result: RoundResult, ring: list[str], members: dict[str, Member]) -> None:
-        """Make ``result`` this node's round: its ring (node ids in group-rank order) and members by id.
-
-        Computed once per round, so that each heartbeat finds its successor and the successor's
-        link address in O(1) (a scan of the members per beat is O(n) on every node, twice a second).
-        """
+    def _adopt(self, round_: int, result: RoundResult, roster: Roster) -> None:
+        """Make ``result`` this node's round, with its members as this node knows them (``roster``):
+        each heartbeat finds its successor and the successor's link address in O(1)."""
         assert self._node is not None
-        pos = ring.index(self._node.node_id)
         with self._lock:
             self._round = round_
             self._result = result
-            self._ring, self._ring_pos, self._members = ring, pos, members
+            self._roster = roster
             # -1, not the signal count now: a node that joined the next round (or a member that
             # already rejoined it) before this node read the result signalled before it looked;
             # the first poll must look at the counters whatever the signal says.
@@ -809,7 +699,7 @@ class StoreRendezvousHandler(RendezvousHandler):
     def wakeup_fileno(self) -> int | None:
         return self._wakeup.fileno()
 
-    @_store_errors
+    @store_errors
     def poll(self) -> RoundChange:
         self._wakeup.clear()
         if self._error is not None:
@@ -827,10 +717,10 @@ class StoreRendezvousHandler(RendezvousHandler):
             change.aborted = aborted
             change.abort_exit_code = self._abort_code()
             return change
-        ring = set(self._ring)
+        roster, fetch = self._roster, self._seat_reader(round_)
         if self._count(self._r(round_, "gone")):
             lines = self._lines(self._r(round_, "gone_list"))
-            change.lost_nodes = [n for n in dict.fromkeys(lines) if n in ring]
+            change.lost_nodes = [n for n in dict.fromkeys(lines) if roster is not None and roster.is_member(n, fetch)]
             change.lost_causes = self._lost_causes(round_, change.lost_nodes)
         rejoined = self._count(self._r(round_ + 1, "rejoined"))
         joined = self._count(self._r(round_ + 1, "joined"))
@@ -839,7 +729,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         if self._auth.enabled and (rejoined > 0 or (waiting > 0 and below_max)):
             # The counters only say where to look: count the authentic joins of the next round.
             infos = [info for _, info in _Slots().read(self, round_ + 1, joined, wait=False)]
-            rejoined = sum(1 for info in infos if info.node_id in ring)
+            rejoined = sum(1 for info in infos if roster is not None and roster.is_member(info.node_id, fetch))
             waiting = len(infos) - rejoined
         change.new_round_requested = rejoined > 0
         if waiting > 0 and below_max:
@@ -849,7 +739,7 @@ class StoreRendezvousHandler(RendezvousHandler):
             self._put(self._r(round_, "grown"), self._node.node_id if self._node else "?")
         return change
 
-    @_store_errors
+    @store_errors
     def report_failure(self, failure: FailureRecord) -> None:
         if self._round is None:
             return
@@ -857,13 +747,13 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._put(self._r(self._round, "fail", failure.node_id), failure.to_json())
         self._append(self._r(self._round, "fail_list"), failure.node_id)
 
-    @_store_errors
+    @store_errors
     def leave(self, reason: str) -> None:
         if self._round is None or self._node is None:
             return
         self._declare_gone(self._round, self._node.node_id, f"left:{reason}")
 
-    @_store_errors
+    @store_errors
     def finish(self, timeout: float) -> bool:
         if self._round is None or self._result is None or self._node is None:
             return True
@@ -880,9 +770,10 @@ class StoreRendezvousHandler(RendezvousHandler):
         while True:
             done = self._count(self._r(round_, "done")) + self._count(self._r(round_, "gone"))
             if done >= members and self._auth.enabled:
-                ring = set(self._ring)
+                # Only members of the round write its authentic ``done_list`` and ``gone_list`` lines
+                # (about themselves or a ring successor): count the distinct nodes they name.
                 out = set(self._lines(self._r(round_, "done_list"))) | set(self._lines(self._r(round_, "gone_list")))
-                done = len(out & ring)
+                done = len(out)
             if done >= members:
                 self._put(self._k("finished"), "1")
                 return True
@@ -923,7 +814,9 @@ class StoreRendezvousHandler(RendezvousHandler):
         changing.  Wait (at most ``host_linger`` s) until every other member's key is gone or silent.
         """
         deadline = time.monotonic() + float(self.conf["host_linger"])
-        others = [n for n in self._ring if self._node is None or n != self._node.node_id]
+        ring = self._roster.known() if isinstance(self._roster, FullRoster) else []
+        ids = [m.node_id for m in ring] if ring or self._round is None else self._member_ids(self._round)
+        others = [n for n in ids if self._node is None or n != self._node.node_id]
         watches = {n: RingWatch(self.conf["heartbeat_timeout"]) for n in others}
         while time.monotonic() < deadline and self._count(self._k("agents")) > 0:
             pending = False
@@ -934,6 +827,21 @@ class StoreRendezvousHandler(RendezvousHandler):
             if not pending:
                 return
             time.sleep(0.1)
+
+
+class _PrevRound:
+    """The members of the round before the one being joined: their count, and their ids, read
+    only when a close with a job token needs them (``load``: a seated round's parts)."""
+
+    def __init__(self, count: int, ids: list[str] | None, load=None) -> None:
+        self.count = count
+        self._ids = ids
+        self._load = load
+
+    def node_ids(self) -> list[str]:
+        if self._ids is None:
+            self._ids = self._load() if self._load is not None else []
+        return self._ids
 
 
 class _Slots:
@@ -955,7 +863,7 @@ class _Slots:
         """
         unread = [idx for idx in range(1, joined + 1) if idx not in self._infos]
         keys = [handler._r(round_, "node", idx) for idx in unread]
-        if keys and _all_present(handler._store, keys, _SLOT_WAIT if wait else 0.0):
+        if keys and all_present(handler._store, keys, _SLOT_WAIT if wait else 0.0):
             for idx, key, raw in zip(unread, keys, handler._store.multi_get(keys), strict=True):
                 self._accept(handler, idx, key, raw)
             unread, keys = [], []
@@ -970,22 +878,6 @@ class _Slots:
     def _accept(self, handler: StoreRendezvousHandler, idx: int, key: str, raw: bytes) -> None:
         value = handler._auth.open(key, raw)
         self._infos[idx] = NodeInfo.from_json(value) if value is not None else None
-
-
-def _all_present(store, keys: list[str], timeout: float) -> bool:
-    """Whether every key exists, after waiting up to ``timeout`` s for the last ones (a few
-    operations, where checking slot by slot would be one per key)."""
-    if store.check(keys):
-        return True
-    if timeout <= 0:
-        return False
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except Exception:
-        return False
-    # Checked again: ``multi_get`` blocks for ``read_timeout`` on an absent key, and a ``wait`` has
-    # been seen to return before all its keys were there.
-    return bool(store.check(keys))
 
 
 def validate_params(params: RendezvousParameters) -> None:

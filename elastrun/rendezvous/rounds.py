@@ -155,7 +155,9 @@ def encode_result(doc: dict[str, Any]) -> str:
     base64-encoded behind ``z1:`` (values are text).  A member list that does not follow those
     rules is stored as plain JSON instead; :func:`decode_result` reads both.
     """
-    members = doc["members"]
+    members = doc.get("members")
+    if members is None:  # a seated round's header (:mod:`elastrun.rendezvous.seats`): small, no member rows
+        return json.dumps(doc, separators=(",", ":"))
     if not _derivable(members):
         return json.dumps(doc)
     roles = list(dict.fromkeys(m["role"] for m in members))

@@ -27,6 +27,7 @@ from elastrun.rendezvous.api import JobNotFoundError, RendezvousConnectionError,
 from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth, load_token
 from elastrun.rendezvous.endpoint import split_endpoint
 from elastrun.rendezvous.rounds import decode_result
+from elastrun.rendezvous.seats import all_members
 from elastrun.rendezvous.status_doc import node_row, status_document
 
 #: A member whose heartbeat is older than this is shown as ``silent`` (the default heartbeat
@@ -125,8 +126,14 @@ def _latest_result(r: _Reader, open_round: int) -> tuple[int, dict[str, Any]] | 
         if raw is None:
             continue
         result = decode_result(raw)
-        if not result.get("abort"):
-            return round_, result
+        if result.get("abort"):
+            continue
+        # A seated round's result holds no member list: read it from its parts (seats.py).
+        members = all_members(result, lambda count, r_=round_: r.texts([r.key(f"r{r_}", "part", k)
+                                                                        for k in range(count)]))
+        if members is None:
+            continue
+        return round_, {**result, "members": members}
     return None
 
 

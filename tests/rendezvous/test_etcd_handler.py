@@ -108,13 +108,13 @@ def _count_requests(monkeypatch) -> collections.Counter:
     lock = threading.Lock()
     request = EtcdClient.request
 
-    def counted(self, path: str, body: dict) -> dict:
+    def counted(self, path: str, body: dict, timeout: float | None = None) -> dict:
         with lock:
             counts[path] += 1
             if path == "/lease/grant" and int(body.get("TTL", 0)) >= 60:
                 counts["job lease grant"] += 1  # job_ttl; an agent's lease has lease_ttl
         try:
-            return request(self, path, body)
+            return request(self, path, body, timeout)
         except LeaseNotFound:
             with lock:
                 counts[path + " lease not found"] += 1

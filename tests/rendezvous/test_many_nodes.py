@@ -11,15 +11,21 @@ import time
 
 import pytest
 
+from elastrun.rendezvous import c10d, seats
 from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
 from elastrun.rendezvous.c10d import create_handler
+from elastrun.rendezvous.store_status import read_store_status
 from tests.harness import base_env, free_port
 
 NODES = 24
 
 
+@pytest.mark.parametrize("seated", [False, True], ids=["full-list", "seated"])
 @pytest.mark.parametrize("token", [False, True], ids=["plain", "token"])
-def test_a_round_with_many_nodes_is_consistent(token, monkeypatch):
+def test_a_round_with_many_nodes_is_consistent(token, seated, monkeypatch):
+    if seated:  # the layout of a round of more than 64 members (seats.py), at a size that fits a test
+        monkeypatch.setattr(c10d, "FULL_LIST_MAX", 8)
+        monkeypatch.setattr(seats, "PART_ROWS", 5)
     if token:
         monkeypatch.setenv("ELASTRUN_JOB_TOKEN", "many-nodes-0123456789abcdef0123456789")
     else:
@@ -47,9 +53,24 @@ def test_a_round_with_many_nodes_is_consistent(token, monkeypatch):
         assert {(r.round, r.generation, r.group_world_size, r.world_size) for r in views} == {(0, 0, NODES, 2 * NODES)}
         assert sorted(r.rank_offset for r in views) == list(range(0, 2 * NODES, 2))
         assert len({(r.store_addr, r.store_port) for r in views}) == 1
+        # A member of a seated round knows itself and its ring successor; of a small round, everyone.
+        by_rank = {r.group_rank: r for r in views}
+        for r in views:
+            known = [m.group_rank for m in r.members]
+            assert known == (sorted({r.group_rank, (r.group_rank + 1) % NODES}) if seated else list(range(NODES)))
+        # The status reader lists every member, from the parts of a seated round.
+        status = read_store_status(handlers[0]._store, "many", auth=handlers[0]._auth)
+        assert [n["group_rank"] for n in status["nodes"]] == list(range(NODES))
+        assert status["world_size"] == 2 * NODES and status["state"] == "running"
         # A node leaves: every other member's poll reports it (bounded wait).
         leaver = 5
         handlers[leaver].leave("test")
+        # Its ring predecessor now watches the node after it (a seated ring walks on, seat by seat).
+        rank = results[leaver].group_rank
+        pred = next(i for i, r in results.items() if r.group_rank == (rank - 1) % NODES)
+        after = by_rank[(rank + 1) % NODES]
+        target = handlers[pred]._ring_target(handlers[pred]._round, handlers[pred]._roster, handlers[pred]._store)
+        assert target is not None and target.group_rank == after.group_rank
         told: set[int] = set()
         deadline = time.monotonic() + 10
         while len(told) < NODES - 1 and time.monotonic() < deadline:
@@ -154,3 +175,38 @@ def test_a_round_whose_closer_died_before_its_result_is_given_up_and_the_next_on
     assert {r.group_world_size for r in results.values()} == {2}
     assert {m.node_id for m in results["host"].members} == {"host", "other"}
     assert took < 20, took  # grace 2-4 s + heartbeat silence 1 s, twice, + round 1's last call 1 s
+
+
+def test_old_rounds_keys_are_deleted_so_the_store_stays_bounded(monkeypatch):
+    """After each round the closer deletes the keys of the round KEEP_ROUNDS before it, seats and
+    parts of a seated round included: a job that goes through many rounds keeps a bounded store."""
+    monkeypatch.setattr(c10d, "FULL_LIST_MAX", 3)
+    monkeypatch.setattr(seats, "PART_ROWS", 2)
+    monkeypatch.delenv("ELASTRUN_JOB_TOKEN", raising=False)
+    nodes, rounds = 5, c10d.KEEP_ROUNDS + 3
+    port = free_port()
+    handlers = [create_handler(RendezvousParameters("c10d", f"127.0.0.1:{port}", "prune", nodes, nodes,
+                                                    config={"is_host": str(i == 0).lower(), "host_linger": "0"}))
+                for i in range(nodes)]
+    try:
+        for expected in range(rounds):
+            results: dict[int, object] = {}
+            threads = [threading.Thread(target=lambda i=i, out=results: out.__setitem__(
+                i, handlers[i].next_round(NodeInfo(f"node{i}", "127.0.0.1", 1)))) for i in range(nodes)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert {r.round for r in results.values()} == {expected}
+        store, prefix = handlers[0]._store, handlers[0]._prefix
+        gone_round = rounds - 1 - c10d.KEEP_ROUNDS  # the newest round whose keys must be gone by now
+        old_keys = [f"r{gone_round}/{k}" for k in ("result", "joined", "node/1", "part/0", "seat/node0")]
+        kept_keys = [f"r{gone_round + 1}/{k}" for k in ("result", "part/0", "seat/node0")]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(store.check([prefix + k]) for k in old_keys):
+            time.sleep(0.05)
+        assert not [k for k in old_keys if store.check([prefix + k])], "an old round's keys were left"
+        assert all(store.check([prefix + k]) for k in kept_keys), "a recent round's keys were deleted"
+    finally:
+        for h in reversed(handlers):
+            h.close()

@@ -41,13 +41,12 @@ from elastrun.rendezvous.etcd.client import (
     EtcdClient,
     EtcdSettings,
     EtcdUnavailable,
-    LeaseKeeper,
     LeaseNotFound,
     Shared,
-    WatchSet,
     op_range,
     prefix_end,
 )
+from elastrun.rendezvous.etcd.streams import LeaseKeeper, WatchSet
 from elastrun.rendezvous.link import Link, Wakeup
 from elastrun.rendezvous.rounds import timeout_error
 

@@ -22,12 +22,10 @@ import os
 import random
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from elastrun.rendezvous.api import RendezvousConfigError, RendezvousError
-from elastrun.rendezvous.etcd.backoff import Backoff
 
 
 class EtcdUnavailable(RendezvousError):
@@ -88,12 +86,47 @@ class EtcdSettings:
         return (min(1.0, self.request_timeout), self.request_timeout)
 
 
+#: A request's read timeout grows at most to this multiple of ``request_timeout`` (see :class:`Shared`).
+TIMEOUT_CAP = 4.0
+
+
 @dataclass
 class Shared:
-    """State shared by the clients of one handler: the member to try first."""
+    """State shared by the clients of one handler: the member to try first, and how long etcd takes.
+
+    **Adaptive time-outs.**  One request may wait for its answer ``2 * srtt + 4 * rttvar`` (``srtt``:
+    the smoothed round trip of the answered requests, ``rttvar`` its mean deviation, as TCP keeps
+    them for its retransmission time-out), at least twice what the last time-out waited until an
+    answer comes, and always between
+    ``request_timeout`` and :data:`TIMEOUT_CAP` times it (3 to 12 s with the defaults).  An etcd that
+    is merely slow (overloaded) thus gets the time it needs, instead of every agent giving up on a
+    request that etcd still carries out and sending it again (more load); a member that is gone is
+    still left within the cap.
+    """
 
     preferred: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    srtt: float = 0.0
+    rttvar: float = 0.0
+    boost: float = 0.0
+
+    def answered(self, seconds: float) -> None:
+        with self.lock:
+            if self.srtt == 0.0:
+                self.srtt, self.rttvar = seconds, seconds / 2
+            else:
+                self.rttvar = 0.75 * self.rttvar + 0.25 * abs(seconds - self.srtt)
+                self.srtt = 0.875 * self.srtt + 0.125 * seconds
+            self.boost = 0.0
+
+    def timed_out(self, waited: float) -> None:
+        with self.lock:
+            self.boost = max(self.boost, waited) * 2
+
+    def read_timeout(self, floor: float) -> float:
+        """How long the next request may wait for its answer (``floor``: ``request_timeout``)."""
+        with self.lock:
+            return min(TIMEOUT_CAP * floor, max(floor, 2 * self.srtt + 4 * self.rttvar, self.boost))
 
 
 @dataclass
@@ -160,8 +193,11 @@ class EtcdClient:
         client.session.headers["Authorization"] = token
         self._authed.add(index)
 
-    def request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POST ``body`` to ``/v3/<path>`` on the first member that answers; see the module docstring."""
+    def request(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """POST ``body`` to ``/v3/<path>`` on the first member that answers; see the module docstring.
+
+        Each try waits for its answer up to ``timeout``, or by default :meth:`Shared.read_timeout`.
+        """
         import etcd3gw.exceptions as ex
 
         n = len(self._clients)
@@ -173,11 +209,17 @@ class EtcdClient:
             client = self._clients[index]
             host, port = self.settings.endpoints[index]
             for attempt in range(2):
+                read = timeout if timeout is not None else self.shared.read_timeout(self.settings.request_timeout)
+                client.timeout = (self.settings.timeout[0], read)
+                sent = time.monotonic()
                 try:
                     if index not in self._authed:
                         self._authenticate(index)
                     reply = client.post(client.get_url(path), json=body)
+                    self.shared.answered(time.monotonic() - sent)
                 except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, ex.InternalServerError) as exc:
+                    if isinstance(exc, ex.ConnectionTimeoutError) and timeout is None:
+                        self.shared.timed_out(time.monotonic() - sent)
                     text = _grpc_message(exc)[0] or repr(exc)
                     if any(word in text.lower() for word in _TLS_WORDS):
                         raise EtcdTLSError(
@@ -280,13 +322,27 @@ class EtcdClient:
         return [r if r is not None else ([], 0) for r in reads]
 
     # ------------------------------------------------------------------ leases
-    def grant(self, ttl: int) -> int:
-        return int(self.request("/lease/grant", {"TTL": ttl, "ID": 0})["ID"])
+    def grant(self, ttl: int, lease_id: int = 0) -> int:
+        """A new lease of ``ttl`` s.  With ``lease_id`` (chosen by the caller: :func:`new_lease_id`) a
+        grant sent again after a time-out is not a second lease: etcd answers that the lease exists,
+        which means the first request went through, and that lease is the one returned."""
+        try:
+            return int(self.request("/lease/grant", {"TTL": ttl, "ID": lease_id})["ID"])
+        except EtcdRequestError as exc:
+            if lease_id and "lease already exists" in str(exc):
+                return lease_id
+            raise
 
-    def keepalive(self, lease: int) -> int:
+    def keepalive(self, lease: int, timeout: float | None = None) -> int:
         """Renew ``lease``; its new TTL, or -1 when it already expired."""
-        reply = self.request("/lease/keepalive", {"ID": lease})
+        reply = self.request("/lease/keepalive", {"ID": lease}, timeout)
         return int((reply.get("result") or {}).get("TTL", -1))
+
+    def auth_header(self, index: int) -> str | None:
+        """The ``Authorization`` value for member ``index`` (authenticating first), for a stream."""
+        if index not in self._authed:
+            self._authenticate(index)
+        return self._clients[index].session.headers.get("Authorization")
 
     def revoke(self, lease: int) -> None:
         try:
@@ -294,21 +350,10 @@ class EtcdClient:
         except LeaseNotFound:
             pass
 
-    def new_session(self, index: int):
-        """A fresh HTTP session configured like member ``index``'s (TLS, token) for a long-lived stream."""
-        import requests
 
-        source = self._clients[index].session
-        session = requests.Session()
-        session.verify = source.verify
-        session.cert = source.cert
-        session.trust_env = source.trust_env
-        session.proxies.update(source.proxies)
-        session.headers.update(source.headers)
-        return session
-
-    def url(self, index: int, path: str) -> str:
-        return self._clients[index].get_url(path)
+def new_lease_id() -> int:
+    """A random lease id for :meth:`EtcdClient.grant` (positive, 62 bits: a clash is out of reach)."""
+    return random.getrandbits(62) | 1
 
 
 def _read_environment_once(session, url: str, ca_cert: str | None) -> None:
@@ -401,285 +446,3 @@ def op_delete(key: str) -> dict[str, Any]:
 
 def op_delete_prefix(prefix: str) -> dict[str, Any]:
     return {"request_delete_range": {"key": b64(prefix), "range_end": b64(prefix_end(prefix))}}
-
-
-# ---------------------------------------------------------------------- watch
-@dataclass
-class Event:
-    seq: int
-    kind: str  # "PUT" or "DELETE"
-    key: str
-    value: bytes
-
-
-class WatchSet:
-    """The events of a few watched key ranges, merged into one buffer that waiters read with a cursor.
-
-    Each range is streamed by its own :class:`_RangeStream` (etcd3gw's ``Watcher`` has no read
-    timeout and its thread ends silently on an error, so a partitioned member would leave it
-    hanging forever).  An agent watches only the ranges it must act on (see
-    docs/etcd.md, "What each agent watches"), so the events of a round grow with the number of
-    nodes, not with its square.  Ranges are named; :meth:`watch` replaces a name's range,
-    :meth:`unwatch` drops it.
-    """
-
-    def __init__(self, client_factory, capacity: int = 100_000) -> None:
-        self._client_factory = client_factory
-        self.seq = 0
-        self._events: deque[Event] = deque(maxlen=capacity)
-        self._cond = threading.Condition()
-        self._streams: dict[str, _RangeStream] = {}
-        self._lock = threading.Lock()
-        #: Set when events may have been missed (compaction, buffer overflow): waiters must re-read state.
-        self.gap = False
-
-    def watch(self, name: str, key: str, end: str, start_revision: int) -> None:
-        """Watch ``[key, end)`` from ``start_revision`` on, under ``name`` (replacing what it watched)."""
-        with self._lock:
-            old = self._streams.get(name)
-            if old is not None and (old.key, old.end) == (key, end):
-                return
-            stream = _RangeStream(self._client_factory(), key, end, start_revision, self)
-            self._streams[name] = stream
-        if old is not None:
-            old.stop()
-        stream.start()
-
-    def unwatch(self, name: str) -> None:
-        with self._lock:
-            old = self._streams.pop(name, None)
-        if old is not None:
-            old.stop()
-
-    def ranges(self) -> dict[str, tuple[str, str]]:
-        """What is watched now: name -> (key, range end)."""
-        with self._lock:
-            return {name: (s.key, s.end) for name, s in self._streams.items()}
-
-    def since(self, seq: int) -> list[Event] | None:
-        """Events after cursor ``seq``; None when some were dropped (re-read the state instead)."""
-        with self._cond:
-            if self._events and self._events[0].seq > seq + 1 or self.gap and seq < self.seq:
-                return None
-            return [e for e in self._events if e.seq > seq]
-
-    def wait(self, seq: int, timeout: float) -> None:
-        """Block until an event after cursor ``seq`` arrives or ``timeout`` passes."""
-        with self._cond:
-            if self.seq <= seq and timeout > 0:
-                self._cond.wait(timeout)
-
-    def reconnect(self) -> None:
-        with self._lock:
-            streams = list(self._streams.values())
-        for stream in streams:
-            stream.close_stream()
-
-    def stop(self) -> None:
-        with self._lock:
-            streams, self._streams = list(self._streams.values()), {}
-        for stream in streams:
-            stream.stop()
-        with self._cond:
-            self._cond.notify_all()
-
-    def _lost_history(self, revision: int) -> None:
-        with self._cond:
-            self.gap = True
-            self.seq += 1
-            self._cond.notify_all()
-
-    def _add(self, items: list[tuple[str, str, bytes]]) -> None:
-        with self._cond:
-            for kind, key, value in items:
-                self.seq += 1
-                if len(self._events) == self._events.maxlen:
-                    self.gap = True
-                self._events.append(Event(self.seq, kind, key, value))
-            self._cond.notify_all()
-
-
-class _RangeStream(threading.Thread):
-    """One watch stream of a :class:`WatchSet`: reconnects (to the member the other threads use,
-    from the last revision seen, so no event is lost) when it breaks, stays idle past ``idle``
-    seconds, or :meth:`close_stream` is called."""
-
-    def __init__(self, client: EtcdClient, key: str, end: str, start_revision: int, sink: WatchSet,
-                 idle: float = 10.0) -> None:
-        super().__init__(daemon=True, name="elastrun-etcd-watch")
-        self.client = client
-        self.key, self.end = key, end
-        self.next_revision = start_revision
-        self.idle = idle
-        self.connected = False
-        self._sink = sink
-        self._stop_event = threading.Event()
-        self._response = None
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.close_stream()
-
-    def close_stream(self) -> None:
-        response = self._response
-        if response is None:
-            return
-        try:
-            import socket
-
-            sock = socket.fromfd(response.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM)
-            sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-        except Exception:
-            pass
-
-    def run(self) -> None:
-        backoff = 0.05
-        while not self._stop_event.is_set():
-            with self.client.shared.lock:
-                index = self.client.shared.preferred
-            try:
-                self._stream(index)
-                backoff = 0.05
-            except Exception:
-                self.connected = False
-                if self._stop_event.is_set():
-                    break
-                with self.client.shared.lock:  # try the next member if this one keeps failing
-                    if self.client.shared.preferred == index and backoff >= 0.4:
-                        self.client.shared.preferred = (index + 1) % len(self.client.settings.endpoints)
-                self._stop_event.wait(backoff * (1 + random.random()))
-                backoff = min(1.0, backoff * 2)
-
-    def _stream(self, index: int) -> None:
-        session = self.client.new_session(index)
-        body = {"create_request": {"key": b64(self.key), "range_end": b64(self.end),
-                                   "start_revision": str(self.next_revision)}}
-        settings = self.client.settings
-        try:
-            response = session.post(self.client.url(index, "/watch"), json=body, stream=True,
-                                    timeout=(settings.timeout[0], self.idle))
-            self._response = response
-            if self._stop_event.is_set():
-                return
-            if response.status_code != 200:
-                raise EtcdUnavailable(f"watch refused: {response.status_code} {response.text[:200]}")
-            for line in response.iter_lines(chunk_size=None):
-                if self._stop_event.is_set():
-                    return
-                if not line.strip():
-                    continue
-                self._handle(json.loads(line))
-        finally:
-            self.connected = False
-            self._response = None
-            session.close()
-
-    def _handle(self, doc: dict[str, Any]) -> None:
-        if "error" in doc:
-            raise EtcdUnavailable(str(doc["error"])[:200])
-        result = doc.get("result") or {}
-        if result.get("created"):
-            self.connected = True
-        compacted = int(result.get("compact_revision", 0) or 0)
-        if compacted:
-            self.next_revision = compacted
-            self._sink._lost_history(compacted)
-            raise EtcdUnavailable("watch history was compacted")
-        if result.get("canceled"):
-            raise EtcdUnavailable("watch canceled by etcd")
-        events = result.get("events") or []
-        if not events or self._stop_event.is_set():
-            return
-        items = []
-        for item in events:
-            kv = item.get("kv") or {}
-            items.append((item.get("type", "PUT"), unb64(kv.get("key", "")).decode(), unb64(kv.get("value", ""))))
-            self.next_revision = max(self.next_revision, int(kv.get("mod_revision", 0)) + 1)
-        self._sink._add(items)
-
-
-# ---------------------------------------------------------------------- lease keep-alive
-class LeaseKeeper(threading.Thread):
-    """Renews this agent's lease (and, less often, the job's) and reports etcd outages once each.
-
-    ``lost`` is set when etcd says the agent lease expired (e.g. after a network partition longer
-    than its TTL); the handler then registers again with a new lease.  ``outage_since`` is the
-    monotonic time of the first failed renewal of a running outage, None while etcd answers.
-    """
-
-    def __init__(self, client: EtcdClient, interval: float, job_interval: float, warn) -> None:
-        super().__init__(daemon=True, name="elastrun-etcd-keepalive")
-        self.client = client
-        self.interval = interval
-        self.job_interval = job_interval
-        self.lease = 0
-        self.job_lease = 0
-        self.lost = False
-        self.job_lost = False
-        self.outage_since: float | None = None
-        self.last_error = ""
-        self._warn = warn
-        self._stop_event = threading.Event()
-        self._next_job = 0.0
-        self.on_failover = None
-
-    def set_leases(self, lease: int, job_lease: int) -> None:
-        """Renew ``lease`` and ``job_lease`` from now on.
-
-        A job lease new to this keeper is first renewed one ``job_interval`` from now, not at once:
-        it was just granted (full TTL), or adopted from a running incarnation whose live agents
-        renew it every ``job_interval`` themselves.  Renewing it at once cost every agent of a
-        round one keep-alive for nothing.
-        """
-        if job_lease != self.job_lease:
-            self._next_job = time.monotonic() + self.job_interval
-        self.lease, self.job_lease, self.lost, self.job_lost = lease, job_lease, False, False
-
-    def run(self) -> None:
-        # After a failed renewal, try again sooner than ``interval`` (the lease may still be saved),
-        # at random moments so that a job's agents do not retry in step; during an outage, about
-        # once a second, so that its end is noticed soon.
-        cap = min(1.0, self.interval)
-        retry = Backoff(cap / 2, cap)
-        while not self._stop_event.is_set():
-            preferred = self.client.shared.preferred
-            wait = self.interval
-            try:
-                self._renew()
-                if self.outage_since is not None:
-                    took = time.monotonic() - self.outage_since
-                    self._warn(f"etcd is reachable again after {took:.1f} s; the rendezvous carries on")
-                    self.outage_since = None
-                retry.reset()
-            except EtcdUnavailable as exc:
-                self.last_error = str(exc)
-                if self.outage_since is None:
-                    self.outage_since = time.monotonic()
-                    self._warn(
-                        f"etcd unreachable ({exc}); running workers keep training, retrying with back-off"
-                    )
-                wait = retry.delay()
-            except Exception as exc:  # credentials revoked, etc.: keep trying, report once
-                self.last_error = str(exc)
-                if self.outage_since is None:
-                    self.outage_since = time.monotonic()
-                    self._warn(f"etcd keep-alive failed: {exc}; retrying")
-                wait = retry.delay()
-            if self.client.shared.preferred != preferred and self.on_failover is not None:
-                self.on_failover()
-            self._stop_event.wait(wait)
-
-    def _renew(self) -> None:
-        lease = self.lease
-        if lease and not self.lost and self.client.keepalive(lease) <= 0 and lease == self.lease:
-            self.lost = True
-        now = time.monotonic()
-        if self.job_lease and now >= self._next_job:
-            job_lease = self.job_lease
-            if self.client.keepalive(job_lease) <= 0 and job_lease == self.job_lease:
-                self.job_lost = True
-            self._next_job = now + self.job_interval
-
-    def stop(self) -> None:
-        self._stop_event.set()

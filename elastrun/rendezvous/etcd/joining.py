@@ -17,6 +17,7 @@ from elastrun.rendezvous.endpoint import host_worker_store
 from elastrun.rendezvous.etcd.base import HandlerBase, Reregister, first_kv, one_key_end
 from elastrun.rendezvous.etcd.client import KV, cmp_absent, op_put, op_range, prefix_end
 from elastrun.rendezvous.rounds import decode_result, member_view
+from elastrun.rendezvous.waiting import NAMED, WaitReport, waiting_line
 
 #: A waiting node re-reads the state at least this often even without a watch event (safety net).
 _RECHECK = 2.0
@@ -145,11 +146,13 @@ class Joining(HandlerBase):
         look = False  # re-read the state now
         closer = False
         next_recheck = 0.0
+        report = WaitReport(self.say_waiting, float(self.conf["wait_report_interval"]))
         while True:
             now = time.monotonic()
             if now >= deadline:
                 raise self._timeout_error(round_, joined)
             self._check_lease()
+            report.tick(lambda: self._waiting_line(round_, deadline))
             if look or now >= next_recheck:
                 next_recheck = now + _RECHECK
                 if seen is None:
@@ -169,7 +172,7 @@ class Joining(HandlerBase):
                     if self._may_close(round_, joined, min_reached) and self._try_close(round_, min_reached, deadline):
                         continue
                 look = False
-            wait = next_recheck - time.monotonic()
+            wait = min(next_recheck - time.monotonic(), report.due_in())
             if closer and min_reached is not None:
                 wait = min(wait, max(0.01, min_reached + float(self.conf["last_call_timeout"]) - time.monotonic()))
                 look = wait <= 0.01 or look
@@ -194,6 +197,23 @@ class Joining(HandlerBase):
                     time.monotonic() >= min_reached + float(self.conf["last_call_timeout"]):
                 look = True
 
+
+    def _waiting_line(self, round_: int, deadline: float) -> str | None:
+        """The line of this node waiting for ``round_`` to close (one request: the first joins)."""
+        join_prefix = self._r(round_, "join/")
+        try:
+            first, joined = self._kv.range(join_prefix, prefix_end(join_prefix), by_create=True, limit=NAMED)
+        except RendezvousError:
+            return None
+        hosts = []
+        for kv in self._authentic(first):
+            try:
+                info = NodeInfo.from_json(kv.value)
+            except (ValueError, TypeError):
+                continue
+            hosts.append(info.hostname or info.node_id)
+        why = "" if round_ == 0 else f"the group of round {round_ - 1} to re-form (its members rejoin or are lost)"
+        return waiting_line(round_, joined, self.min_nodes, self.max_nodes, hosts, deadline, why)
 
     def _closed_round(self, round_: int, found: str) -> dict:
         """The result document of ``round_`` (authentic text ``found``); a job ended by it fails here."""

@@ -1,6 +1,6 @@
 """Leases, this agent's registration, and the job's incarnation.
 
-An agent holds a lease (renewed by :class:`~elastrun.rendezvous.etcd.client.LeaseKeeper`), puts
+An agent holds a lease (renewed by :class:`~elastrun.rendezvous.etcd.streams.LeaseKeeper`), puts
 ``P/agents/<node>`` under it, and adopts the incarnation named by ``P/epoch``.  Where no agent is
 live, one agent claims the start of a new incarnation (``P/claim``, under its own lease) and the
 others wait for it on a watch; a stale incarnation's keys go with the start.  Where ``P/epoch``
@@ -27,19 +27,18 @@ from elastrun.rendezvous.etcd.backoff import Backoff
 from elastrun.rendezvous.etcd.base import HandlerBase, Reregister, first_kv, one_key_end
 from elastrun.rendezvous.etcd.client import (
     EtcdClient,
-    Event,
-    LeaseKeeper,
-    WatchSet,
     cmp_absent,
     cmp_lease,
     cmp_mod,
     cmp_range_empty,
+    new_lease_id,
     op_delete,
     op_delete_prefix,
     op_put,
     op_range,
     prefix_end,
 )
+from elastrun.rendezvous.etcd.streams import Event, LeaseKeeper, WatchSet
 
 
 class Registration(HandlerBase):
@@ -51,13 +50,15 @@ class Registration(HandlerBase):
         if self._keeper is None:
             self._keeper = LeaseKeeper(
                 EtcdClient(self.settings, self._shared), float(self.conf["keepalive_interval"]),
-                float(self.conf["job_ttl"]) / 10, self._warn,
+                float(self.conf["job_ttl"]) / 10, self._warn, ttl=float(self.conf["lease_ttl_int"]),
             )
             self._keeper.start()
         if self._keeper.lost or self._keeper.job_lost:
             self._lease = 0
         if not self._lease:
-            self._lease = self._retry(lambda: self._kv.grant(int(self.conf["lease_ttl_int"])), deadline,
+            # One id for every try: a grant that timed out on this side but went through is not a second lease.
+            lease_id = new_lease_id()
+            self._lease = self._retry(lambda: self._kv.grant(int(self.conf["lease_ttl_int"]), lease_id), deadline,
                                       "grant a lease")
             self._keeper.set_leases(self._lease, self._job_lease)
         backoff = Backoff(0.05, 1.0)
@@ -109,7 +110,7 @@ class Registration(HandlerBase):
         if claim is None and not self._kv.txn([*guard, cmp_absent(claim_key)],
                                               [op_put(claim_key, self._node.node_id, self._lease)]):
             return False
-        job_lease = self._kv.grant(int(self.conf["job_ttl"]))
+        job_lease = self._kv.grant(int(self.conf["job_ttl"]), new_lease_id())
         new_id = uuid.uuid4().hex[:12]
         fresh = {"id": new_id, "lease": job_lease, "auth": self._token.new_marker()}
         ok, reads = self._kv.txn_reads(
@@ -199,8 +200,7 @@ class Registration(HandlerBase):
             # A new incarnation: whatever this agent knew of an older one no longer applies.
             self._round, self._result, self._members = None, None, set()
             if self._watch is not None:
-                self._watch.stop()
-                self._watch = None
+                self._watch.clear()  # its ranges; the stream itself stays open for the new ones
         self._epoch, self._job_lease, self._epoch_rev = epoch_id, job_lease, epoch_rev
         self._quiet_epoch = 0
         self._q = f"{self._p}e/{epoch_id}/"

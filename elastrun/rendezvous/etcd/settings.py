@@ -14,6 +14,7 @@ from typing import Any
 from elastrun.rendezvous import conf
 from elastrun.rendezvous.api import RendezvousConfigError, RendezvousParameters
 from elastrun.rendezvous.endpoint import split_endpoint
+from elastrun.rendezvous.waiting import DEFAULT_INTERVAL as DEFAULT_WAIT_REPORT
 
 #: ``--rdzv-conf`` keys of the etcd backend, with defaults.
 CONFIG_KEYS: dict[str, conf.Key] = {
@@ -24,6 +25,7 @@ CONFIG_KEYS: dict[str, conf.Key] = {
     "request_timeout": conf.Key("seconds", 3.0),
     "outage_timeout": conf.Key("seconds", 600.0),
     "job_ttl": conf.Key("seconds", 600.0),
+    "wait_report_interval": conf.Key("seconds", DEFAULT_WAIT_REPORT),
     **{name: conf.Key("text") for name in ("protocol", "ca_cert", "client_cert", "client_key")},
     **{name: conf.Key("text") for name in ("username", "password", "password_file", "token_file")},
 }
@@ -102,12 +104,16 @@ def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:
 def require_client(params: RendezvousParameters) -> None:
     """Raise :class:`RendezvousConfigError` naming the extra when the etcd client library is missing.
 
-    ``etcd3gw`` comes with ``pip install 'elastrun[etcd]'``, not with the plain install; checked
-    before anything starts so that the user gets one line instead of an import traceback.
+    ``etcd3gw`` and ``websocket-client`` (its streams: :mod:`.streams`) come with
+    ``pip install 'elastrun[etcd]'``, not with the plain install; checked before anything starts
+    so that the user gets one line instead of an import traceback.
     """
-    if importlib.util.find_spec("etcd3gw") is None:
+    missing = [name for name, module in (("etcd3gw", "etcd3gw"), ("websocket-client", "websocket"))
+               if importlib.util.find_spec(module) is None]
+    if missing:
         raise RendezvousConfigError(
-            f"--rdzv-backend={params.backend} needs the etcd3gw package, which is not installed; "
+            f"--rdzv-backend={params.backend} needs the {' and '.join(missing)} package"
+            f"{'s' if len(missing) > 1 else ''}, which {'are' if len(missing) > 1 else 'is'} not installed; "
             "install it with: pip install 'elastrun[etcd]'"
         )
 
