@@ -186,6 +186,7 @@ def lose_and_join(work: Path, procs, nodes: int, extra: list[str], node_env: lis
         wait_for(lambda: attempts(nodes, -1), 90, f"world {nodes}")
         full = max(attempts(nodes, -1))
         hold.unlink()
+        wait_for(lambda: committed_steps(out), 60, f"a committed step at world size {nodes}")  # restored != stepped
         first = max(committed_steps(out))
         wait_for(lambda: max(committed_steps(out)) >= first + 6, 60, f"progress at world size {nodes}")
         wait_for(lambda: list((work / "ck").glob("step-*/manifest.json")), 60, "a complete checkpoint")
