@@ -8,6 +8,14 @@ and elastrun.train's step records.  Each must agree within TOLERANCE of the job'
 (docs/observe.md, "How accurate it is").  Once with ``et.run`` (kept processes) and once with the
 plain loop (every fault restarts the workers).  The same job's ``elastrun timeline --html`` page
 is then opened in headless Chromium.
+
+Two environment variables help to study it offline: ``GOODPUT_ACCURACY_OUT=FILE`` appends each
+mode's computed and seen values as a JSON line, and ``GOODPUT_KEEP_DIR=DIR`` keeps each job's files
+(event logs and step records under ``logs/``, the workers' own logs under ``truth/``, the agents'
+output, and ``injections.json``: the faults the test caused and when an agent first knew of each)
+in ``DIR/<the job's temp dir name>``.  ``truth(read_truth(job / "truth"), [Injection(**i) for i in
+doc["injections"]], {int(k): t for k, t in doc["detected"].items()})`` and
+``elastrun goodput job/logs`` then give the two sides again.
 """
 
 from __future__ import annotations
@@ -121,6 +129,16 @@ class Job:
         assert a.wait(90) == 0, self.cluster.outputs()
         assert c.wait(90) == 0, self.cluster.outputs()
 
+    def keep(self, dest: Path) -> None:
+        """Copy the job's files to ``dest`` (GOODPUT_KEEP_DIR), with ``injections.json``."""
+        try:
+            detected = self.detections()  # first: a join's time becomes its detection
+        except AssertionError:  # a fault no agent noticed: keep what there is
+            detected = None
+        doc = {"injections": [vars(i) for i in self.injections], "detected": detected}
+        (self.tmp / "injections.json").write_text(json.dumps(doc))
+        shutil.copytree(self.tmp, dest / self.tmp.name, dirs_exist_ok=True)
+
     def _inject(self, kind: str, pids: list[int], act) -> None:
         t = time.time()
         act()
@@ -160,6 +178,8 @@ def job(request) -> Job:
         yield j
     finally:
         j.cluster.cleanup()
+        if os.environ.get("GOODPUT_KEEP_DIR"):
+            j.keep(Path(os.environ["GOODPUT_KEEP_DIR"]))
         shutil.rmtree(tmp, ignore_errors=True)
 
 
