@@ -145,7 +145,8 @@ class Job:
         self.injections.append(Injection(kind, t, pids))
 
     def detections(self) -> dict[int, float]:
-        """When an agent first knew of each injection (the join's time becomes that moment; read once)."""
+        """When an agent first knew of each injection (read once).  A join's time becomes that moment, and its
+        ``joined`` the moment the new node's first round formed."""
         if self._detected is not None:
             return self._detected
         events = read_log_dir(self.log_dir)
@@ -156,6 +157,9 @@ class Job:
             assert seen, f"no agent noticed the {inj.kind}"
             out[i] = min(seen)
             if inj.kind == "join":
+                # the joining node: the agent started after the launch; its wait ends when its first round forms
+                node = next(e["node"] for e in events if e["event"] == "agent_start" and float(e["ts"]) >= inj.t)
+                inj.joined = min(float(e["ts"]) for e in events if e["node"] == node and e["event"] == "round_closed")
                 inj.t = out[i]  # a join is no fault in the workers' time line: it costs from its detection
         self._detected = out
         return out
