@@ -249,9 +249,10 @@ def _cut_commit(called: float, returned: float, limit: float) -> float:
     """Seconds of a kept step's ``commit()`` (``called`` to ``returned``) that lie past ``limit``.
 
     A slot's time from its group's fault on is the fault's (hang or detection, then restart): a
-    commit that a stopped peer held up, and let through when the hang was detected (the agent
-    wakes the hung worker with SIGCONT to dump its stacks, and its collective may complete before
-    it dies), waited on the hang.
+    commit held up by a hang (the hung worker's own, stopped inside it, or a peer's, waiting on it
+    in a collective) and let through when the hang was detected (the agent wakes the hung worker
+    with SIGCONT to dump its stacks, and it may run on for a moment before it dies) waited on the
+    hang.
     The kept steps' span is cut at the fault, so its commit seconds must lose that part too: left
     in, they are charged to ``commit`` and taken out of the steps' goodput before the cut, while
     the same moments after the cut are charged to the hang.  Only the last step of a back-to-back
