@@ -226,7 +226,7 @@ def test_a_commit_that_a_hung_peer_held_up_is_the_hangs_time_not_commit() -> Non
 
     Rank 0 had begun step 4 just before (4.99), called commit() at 5.5 and was held there by the
     stopped peer until the hung worker, woken (SIGCONT) to dump its stacks, let the collective through
-    (7.02; a real job once showed it, and once the hung worker's own commit returning so).  From the
+    (7.02: seen with three gloo ranks; in a job of the accuracy test, the hung worker's own commit).  From the
     fault on, both slots wait on the hang: 2 x 2 s of hang, and of rank 0's commit only what lies
     before the fault is commit.  The new group restores step 4, so rank 0's step 4 is kept.
     """
