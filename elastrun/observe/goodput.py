@@ -195,7 +195,8 @@ def _run_spans(node: Node, g: Group, run: Run, stop: float, pre: str, pre_fault:
     add(cursor, recs[0].t0, pre, pre_fault, "process start, imports, model build" if pre == "startup" else
         "re-forming or restarting the workers")
     cursor = recs[0].t0
-    block: list | None = None  # kept steps back to back: [start, end, commit seconds, first step, last step]
+    block: list | None = None  # kept steps back to back: [start, end, commit seconds, first step, last step,
+    #                            the last step's commit() call]
     # From the fault on, a slot's time belongs to the fault: a step that a hung peer held up, then
     # finished, spent that time waiting on the hang, whatever happened to the step afterwards.
     limit = min(stop, fault.at) if fault is not None and g.how != "ok" else stop
@@ -207,7 +208,7 @@ def _run_spans(node: Node, g: Group, run: Run, stop: float, pre: str, pre_fault:
         nonlocal block
         if block is not None:
             what = f"step {block[3]}" if block[3] == block[4] else f"steps {block[3]}-{block[4]}"
-            rec(block[0], block[1], "good", detail=what, inner=block[2])
+            rec(block[0], block[1], "good", detail=what, inner=block[2] - _cut_commit(block[5], block[1], limit))
             block = None
 
     for r in recs:
@@ -219,10 +220,10 @@ def _run_spans(node: Node, g: Group, run: Run, stop: float, pre: str, pre_fault:
         by = rollbacks.redone_by(r.step, r.t2) if r.kind == STEP else True
         if by is False:
             if block is not None and r.t0 - block[1] < 1e-6:
-                block[1], block[2], block[4] = r.t2, block[2] + (r.t2 - r.t1), r.step
+                block[1], block[2], block[4], block[5] = r.t2, block[2] + (r.t2 - r.t1), r.step, r.t1
             else:
                 flush()
-                block = [r.t0, r.t2, r.t2 - r.t1, r.step, r.step]
+                block = [r.t0, r.t2, r.t2 - r.t1, r.step, r.step, r.t1]
         else:
             flush()
             if r.kind == RESTORE:
@@ -242,6 +243,22 @@ def _run_spans(node: Node, g: Group, run: Run, stop: float, pre: str, pre_fault:
         add(cursor, cut, "redone", fault, "the step the fault cut short")
         _fault_tail(cut, stop, fault, add)
     return "steps"
+
+
+def _cut_commit(called: float, returned: float, limit: float) -> float:
+    """Seconds of a kept step's ``commit()`` (``called`` to ``returned``) that lie past ``limit``.
+
+    A slot's time from its group's fault on is the fault's (hang or detection, then restart): a
+    commit held up by a hang (the hung worker's own, stopped inside it, or a peer's, waiting on it
+    in a collective) and let through when the hang was detected (the agent wakes the hung worker
+    with SIGCONT to dump its stacks, and it may run on for a moment before it dies) waited on the
+    hang.
+    The kept steps' span is cut at the fault, so its commit seconds must lose that part too: left
+    in, they are charged to ``commit`` and taken out of the steps' goodput before the cut, while
+    the same moments after the cut are charged to the hang.  Only the last step of a back-to-back
+    run can reach past the cut (a record that starts past it is not classified).
+    """
+    return max(0.0, returned - max(called, limit))
 
 
 def _fault_tail(cut: float, stop: float, fault: Fault | None, add) -> None:

@@ -206,6 +206,12 @@ def _describe(index: int, rnd: int | None, ends: list[tuple[Node, Group]], lost_
         return Fault(index, "node_lost", min(at, detected), detected, label, rnd, names[0])
     first = {k: next(((n, e) for n, e in sorted(window, key=lambda ne: ne[1]["ts"]) if e.get("event") == k), None)
              for k in ("hang_detected", "worker_failure", "nodes_waiting", "signal", "restart")}
+    # Of a crash, a join and a signal, the one reported first is the fault; what other nodes report
+    # after it is its consequence: a node that stops its workers for a joining node kills their
+    # collectives, and a peer's agent may see its own worker die of that before it reads the
+    # rendezvous's news (a worker_failure after the join's nodes_waiting).
+    cause = min((first[k] for k in ("worker_failure", "nodes_waiting", "signal") if first[k]),
+                key=lambda ne: float(ne[1]["ts"]), default=None)
     if first["hang_detected"]:
         n, e = first["hang_detected"]
         g = next(g for nn, g in ends if nn is n)
@@ -216,16 +222,16 @@ def _describe(index: int, rnd: int | None, ends: list[tuple[Node, Group]], lost_
             at = float(e["ts"]) - float(m[1])
         return Fault(index, "hang", min(at or float(e["ts"]), detected), detected,
                      f"rank {e.get('rank')} hung", rnd, n.node, e.get("rank"))
-    if first["worker_failure"]:
-        n, e = first["worker_failure"]
+    if cause is not None and cause[1].get("event") == "worker_failure":
+        n, e = cause
         how = f"killed by {e['signal']}" if e.get("signal") else f"exit code {e.get('exitcode')}"
         return Fault(index, "worker_failure", detected, detected, f"rank {e.get('rank')} {how}", rnd, n.node,
                      e.get("rank"))
-    if first["nodes_waiting"]:
-        n, e = first["nodes_waiting"]
+    if cause is not None and cause[1].get("event") == "nodes_waiting":
+        n, e = cause
         return Fault(index, "join", detected, detected, f"{e.get('count', 1)} node(s) joined", rnd, n.node)
-    if first["signal"]:
-        n, e = first["signal"]
+    if cause is not None:
+        n, e = cause
         return Fault(index, "signal", detected, detected, f"{e.get('signal')} received", rnd, n.node)
     reason = str(first["restart"][1].get("reason", "")) if first["restart"] else ""
     return Fault(index, "restart", detected, detected, reason or "the group was re-formed", rnd,

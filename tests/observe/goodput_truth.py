@@ -15,11 +15,18 @@ from pathlib import Path
 
 @dataclass
 class Injection:
-    """A fault the test caused: ``kind`` (crash, hang, node_loss, join), when, and the worker pids it hit."""
+    """A fault the test caused: ``kind`` (crash, hang, node_loss, join), when, and the worker pids it hit.
+
+    ``joined``, for a join: when the joining node's first round formed (from the event log, like
+    the detection: no worker exists yet to see it).  Once the running group knows of the join, the
+    new node's slot waits in that rendezvous for the others to stop: the join's cost, as
+    docs/observe.md counts it (the fault carries the next rendezvous of every slot).
+    """
 
     kind: str
     t: float
     pids: list[int] = field(default_factory=list)
+    joined: float | None = None
 
 
 @dataclass
@@ -117,6 +124,8 @@ def _fault_cost(procs: dict[int, Proc], inj: Injection, alive: list[Proc], redon
             cost += nxt[0] - last
         else:  # a new process took the slot: the first step of the next process in the new group
             cost += _next_first_step(procs, p, inj.t, cutoff) - last
+    if inj.joined is not None:  # the new node's one slot, from the detection (inj.t) to its round forming
+        cost += max(0.0, inj.joined - inj.t)
     for pid, n, t0 in redone:
         step = next(s for s in procs[pid].steps if s[0] == n and s[1] == t0)
         if step[3] <= inj.t and _rolled_back_by(procs, step, inj.t):

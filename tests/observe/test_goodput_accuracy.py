@@ -8,6 +8,14 @@ and elastrun.train's step records.  Each must agree within TOLERANCE of the job'
 (docs/observe.md, "How accurate it is").  Once with ``et.run`` (kept processes) and once with the
 plain loop (every fault restarts the workers).  The same job's ``elastrun timeline --html`` page
 is then opened in headless Chromium.
+
+Two environment variables help to study it offline: ``GOODPUT_ACCURACY_OUT=FILE`` appends each
+mode's computed and seen values as a JSON line, and ``GOODPUT_KEEP_DIR=DIR`` keeps each job's files
+(event logs and step records under ``logs/``, the workers' own logs under ``truth/``, the agents'
+output, and ``injections.json``: the faults the test caused and when an agent first knew of each)
+in ``DIR/<the job's temp dir name>``.  ``truth(read_truth(job / "truth"), [Injection(**i) for i in
+doc["injections"]], {int(k): t for k, t in doc["detected"].items()})`` and
+``elastrun goodput job/logs`` then give the two sides again.
 """
 
 from __future__ import annotations
@@ -121,13 +129,24 @@ class Job:
         assert a.wait(90) == 0, self.cluster.outputs()
         assert c.wait(90) == 0, self.cluster.outputs()
 
+    def keep(self, dest: Path) -> None:
+        """Copy the job's files to ``dest`` (GOODPUT_KEEP_DIR), with ``injections.json``."""
+        try:
+            detected = self.detections()  # first: a join's time becomes its detection
+        except AssertionError:  # a fault no agent noticed: keep what there is
+            detected = None
+        doc = {"injections": [vars(i) for i in self.injections], "detected": detected}
+        (self.tmp / "injections.json").write_text(json.dumps(doc))
+        shutil.copytree(self.tmp, dest / self.tmp.name, dirs_exist_ok=True)
+
     def _inject(self, kind: str, pids: list[int], act) -> None:
         t = time.time()
         act()
         self.injections.append(Injection(kind, t, pids))
 
     def detections(self) -> dict[int, float]:
-        """When an agent first knew of each injection (the join's time becomes that moment; read once)."""
+        """When an agent first knew of each injection (read once).  A join's time becomes that moment, and its
+        ``joined`` the moment the new node's first round formed."""
         if self._detected is not None:
             return self._detected
         events = read_log_dir(self.log_dir)
@@ -138,6 +157,9 @@ class Job:
             assert seen, f"no agent noticed the {inj.kind}"
             out[i] = min(seen)
             if inj.kind == "join":
+                # the joining node: the agent started after the launch; its wait ends when its first round forms
+                node = next(e["node"] for e in events if e["event"] == "agent_start" and float(e["ts"]) >= inj.t)
+                inj.joined = min(float(e["ts"]) for e in events if e["node"] == node and e["event"] == "round_closed")
                 inj.t = out[i]  # a join is no fault in the workers' time line: it costs from its detection
         self._detected = out
         return out
@@ -160,6 +182,8 @@ def job(request) -> Job:
         yield j
     finally:
         j.cluster.cleanup()
+        if os.environ.get("GOODPUT_KEEP_DIR"):
+            j.keep(Path(os.environ["GOODPUT_KEEP_DIR"]))
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -203,3 +203,81 @@ def test_goodput_command_on_a_directory_without_events_is_one_line_and_exit_1(
     assert err.count("\n") == 1 and "no events-*.jsonl files under" in err and "--log-dir" in err
     assert main(["goodput", str(tmp_path / "missing")]) == 1
     assert "is not a directory" in capsys.readouterr().err
+
+
+def on(node: str, t: float, event: str, **fields) -> dict:
+    return {"ts": T + t, "node": node, "event": event, **fields}
+
+
+def two_nodes(names: tuple[str, str] = ("host-a", "host-b"), pids: tuple[int, int] = (100, 200)) -> list[dict]:
+    """Nodes a and b, one worker each, in round 0 from 1.0."""
+    events = []
+    for rank, (node, pid) in enumerate(zip(names, pids, strict=True)):
+        events += [on(node, 0.0, "agent_start", run_id="job", nproc=1, pid=pid // 100, hostname=node),
+                   on(node, 0.5, "round_start"),
+                   on(node, 1.0, "round_closed", round=0, generation=0, world_size=2, members=list(names)),
+                   on(node, 1.0, "worker_start", round=0, generation=0, rank=rank, local_rank=0, pid=pid,
+                      start_method="fork")]
+    return events
+
+
+def test_a_commit_that_a_hung_peer_held_up_is_the_hangs_time_not_commit() -> None:
+    """Rank 1 stops (SIGSTOP) after committing step 3 at 5.0; its agent detects the hang at 7.0.
+
+    Rank 0 had begun step 4 just before (4.99), called commit() at 5.5 and was held there by the
+    stopped peer until the hung worker, woken (SIGCONT) to dump its stacks, let the collective through
+    (7.02: seen with three gloo ranks; in a job of the accuracy test, the hung worker's own commit).  From the
+    fault on, both slots wait on the hang: 2 x 2 s of hang, and of rank 0's commit only what lies
+    before the fault is commit.  The new group restores step 4, so rank 0's step 4 is kept.
+    """
+    events = [*two_nodes(),
+              on("host-b", 7.0, "hang_detected", round=0, rank=1, local_rank=0, reason="no heartbeat for 2.0 s"),
+              on("host-b", 7.04, "worker_exit", pid=200, local_rank=0, exitcode=None, signal="SIGABRT"),
+              on("host-b", 7.04, "worker_failure", round=0, rank=1, local_rank=0, exitcode=None, signal="SIGABRT"),
+              on("host-a", 7.05, "restart", round=0, reason="another node asked for a new round"),
+              on("host-b", 7.05, "round_start", after=0), on("host-a", 7.1, "round_start", after=0)]
+    for rank, (node, pid) in enumerate((("host-a", 101), ("host-b", 201))):
+        events += [on(node, 7.3, "round_closed", round=1, generation=1, world_size=2, members=["host-a", "host-b"]),
+                   on(node, 7.3, "worker_start", round=1, generation=1, rank=rank, local_rank=0, pid=pid,
+                      start_method="fork"),
+                   on(node, 10.0, "worker_exit", pid=pid, local_rank=0, exitcode=0, signal=None),
+                   on(node, 10.5, "agent_exit", exitcode=0)]
+    before = [restore(0, 1.5, 2.0, None), step(1, 2.0, 2.9, 3.0), step(2, 3.0, 3.9, 4.0)]
+    after = [restore(4, 7.5, 7.8, "memory"), step(5, 7.8, 8.7, 8.8), step(6, 8.8, 9.7, 9.8)]
+    logs = {("host-a", 100): ProcessLog(100, "host-a", T + 1, [*before, step(3, 4.0, 4.9, 4.99),
+                                                               step(4, 4.99, 5.5, 7.02)]),
+            ("host-b", 200): ProcessLog(200, "host-b", T + 1, [*before, step(3, 4.0, 4.9, 5.0)]),
+            ("host-a", 101): ProcessLog(101, "host-a", T + 7.3, after),
+            ("host-b", 201): ProcessLog(201, "host-b", T + 7.3, after)}
+    gp = compute(events, logs)
+    (fault,) = gp.faults
+    assert (fault.kind, fault.at, fault.detected) == ("hang", pytest.approx(T + 5.0), pytest.approx(T + 7.0))
+    assert gp.badput["hang"] == pytest.approx(2 * 2.0)
+    # commit: 3 x 0.1 on rank 1, 0.1 + 0.1 + 0.09 on rank 0 before the fault, 2 x 2 x 0.1 after it
+    assert gp.badput["commit"] == pytest.approx(0.3 + 0.29 + 0.4)
+    assert gp.good == pytest.approx(2.7 + (3.0 - 0.29) + 2 * 2 * 0.9)  # rank 0's steps 1-4 up to the fault
+    assert "commit" not in fault.cost
+    assert gp.good + sum(gp.badput.values()) == pytest.approx(gp.device_seconds)
+    assert gp.wall_good + sum(gp.wall_badput.values()) == pytest.approx(gp.wall)
+
+
+def test_a_worker_killed_by_a_joins_restart_does_not_make_the_join_a_crash() -> None:
+    """Node a reads that node c waits to join and stops its worker (5.0); node b's worker dies of the
+    broken collective (5.03) before b's agent reads the news itself.  One fault: the join."""
+    events = [*two_nodes(),
+              on("host-c", 4.5, "agent_start", run_id="job", nproc=1, pid=3, hostname="host-c"),
+              on("host-c", 4.6, "round_start"),
+              on("host-a", 5.0, "nodes_waiting", round=0, count=1),
+              on("host-a", 5.0, "restart", round=0, reason="1 node(s) waiting to join"),
+              on("host-b", 5.03, "worker_exit", pid=200, local_rank=0, exitcode=1, signal=None),
+              on("host-b", 5.03, "worker_failure", round=0, rank=1, local_rank=0, exitcode=1, signal=None),
+              on("host-b", 5.04, "round_start", after=0), on("host-a", 5.05, "round_start", after=0)]
+    for rank, node in enumerate(("host-a", "host-b", "host-c")):
+        events += [on(node, 5.3, "round_closed", round=1, generation=1, world_size=3,
+                      members=["host-a", "host-b", "host-c"]),
+                   on(node, 5.3, "worker_start", round=1, generation=1, rank=rank, local_rank=0, pid=300 + rank,
+                      start_method="fork"),
+                   on(node, 6.0, "worker_exit", pid=300 + rank, local_rank=0, exitcode=0, signal=None),
+                   on(node, 6.0, "agent_exit", exitcode=0)]
+    gp = compute(events, {})
+    assert [(f.kind, f.label, f.detected) for f in gp.faults] == [("join", "1 node(s) joined", T + 5.0)]
