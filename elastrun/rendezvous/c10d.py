@@ -44,7 +44,7 @@ from elastrun.rendezvous.auth import JobToken, load_token
 from elastrun.rendezvous.endpoint import host_worker_store, route_address, split_endpoint
 from elastrun.rendezvous.keepalive import Heartbeat, RingWatch
 from elastrun.rendezvous.link import Link, Wakeup
-from elastrun.rendezvous.rounds import decode_result, timeout_error
+from elastrun.rendezvous.rounds import decode_result, fault_line, timeout_error
 from elastrun.rendezvous.seats import FullRoster, Roster, SeatedRoster, is_seated, member_result, read_seat
 from elastrun.rendezvous.store_client import store_errors
 from elastrun.rendezvous.store_closing import Closing, JoinSlots
@@ -348,6 +348,27 @@ class StoreRendezvousHandler(Closing, Liveness):
         failure.after_growth = self._read(self._r(self._round, "grown")) is not None
         self._put(self._r(self._round, "fail", failure.node_id), failure.to_json())
         self._append(self._r(self._round, "fail_list"), failure.node_id)
+
+    @store_errors
+    def claim_hang(self, failure: FailureRecord) -> str | None:
+        """The round's first fault (docs/rendezvous-protocol.md, "Hangs"): a lost or departed node, a
+        failure recorded by another node, or the first ``r<R>/hang`` claim, which this call makes."""
+        if self._round is None:
+            return None
+        round_ = self._round
+        if self._count(self._r(round_, "gone")):
+            gone = [n for n in self._lines(self._r(round_, "gone_list")) if n != failure.node_id]
+            if gone:
+                return f"the loss of node {gone[0]}"
+        for node_id in dict.fromkeys(self._lines(self._r(round_, "fail_list"))):
+            record = self._read(self._r(round_, "fail", node_id)) if node_id != failure.node_id else None
+            if record is not None:
+                return fault_line(FailureRecord.from_json(record))
+        won, first = self._claim(self._r(round_, "hang"), failure.to_json())
+        if won or first is None:  # None: a value that is not authentic holds the key
+            return None
+        claimed = FailureRecord.from_json(first)
+        return None if claimed.node_id == failure.node_id else fault_line(claimed)
 
     @store_errors
     def leave(self, reason: str) -> None:

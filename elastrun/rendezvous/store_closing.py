@@ -71,7 +71,7 @@ KEEP_ROUNDS = 8
 #: The keys of a round besides its join slots, its per-node markers, seats and parts
 #: (docs/rendezvous-protocol.md).
 _ROUND_KEYS = ("joined", "rejoined", "closed", "result", "store", "signal", "gone", "gone_list", "fail_list",
-               "grown", "done", "done_list")
+               "grown", "done", "done_list", "hang")
 
 
 class Closing(StoreClient):
