@@ -14,9 +14,12 @@ Figures, each from the fault until every rank of the new group has committed a s
   survivor's agent logs the change) and the rest (re-form or restart);
 - node join: a second agent starts beside one that trains alone; also measured from the joiner's
   worker start (its agent's ``worker_start`` event: the agent is past its imports and rendezvous);
+- hang: rank 1's worker is SIGSTOPped (``--hang-timeout=2``); split into detection (until the first
+  ``hang_detected`` event) and the rest, with the ranks the agents blamed (torchrun has no hang
+  detection: it waits for ever, so it is not run);
 - steady state: the step time with and without ``et.run`` (``--standalone``, 2 workers).
 
-Usage: ``python bench/bench_reform.py [--repeat 1] [--only crash,loss,join,steady] [--size 100]``.
+Usage: ``python bench/bench_reform.py [--repeat 1] [--only crash,loss,join,hang,steady] [--size 100]``.
 Prints a table.
 """
 
@@ -24,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -149,6 +154,35 @@ def join(way: str) -> dict:
         t.close()
 
 
+def hang(way: str) -> dict:
+    if way == "torchrun":
+        return {}
+    t = trial(f"reform-hang-{way}", way)
+    port = free_port()
+    logs = [t.dir / "logs0", t.dir / "logs1"]
+    try:
+        for i in range(2):
+            t.start(argv(way, [*multi_node(port, "2", i == 0), "--hang-timeout=2"], logs[i]))
+            time.sleep(0.5 if i == 0 else 0)
+        if not wait_for(lambda: t.all_ranks_stepped(2, min_step=4), 240):
+            log(f"hang {way}: never formed\n{t.output()[-2000:]}")
+            return {}
+        victim = max((e for e in t.events() if e["ev"] == "step" and e["rank"] == 1), key=lambda e: e["t"])["pid"]
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.time()
+        back = wait_for(lambda: t.all_ranks_stepped(2, after=stopped), CAP)
+        out: dict = {"total": None if back is None else back - stopped, "sources": kept(t, stopped)}
+        found = sorted((e for d in logs for e in agent_events(d)
+                        if e["event"] == "hang_detected" and e["ts"] > stopped), key=lambda e: e["ts"])
+        if found and back is not None:
+            out["detection"] = found[0]["ts"] - stopped
+            out["after detection"] = back - found[0]["ts"]
+        out["blamed"] = ",".join(str(e["rank"]) for e in found) or "-"
+        return out
+    finally:
+        t.close()
+
+
 def steady(way: str, steps: int = 16) -> float | None:
     """Median interval between committed steps (steps 4 and later), ``--standalone`` with 2 workers."""
     t = trial(f"reform-steady-{way}", way, STEPS=str(steps))
@@ -165,7 +199,7 @@ def steady(way: str, steps: int = 16) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--only", default="crash,loss,join,steady")
+    ap.add_argument("--only", default="crash,loss,join,hang,steady")
     ap.add_argument("--ways", default=",".join(WAYS))
     ap.add_argument("--size", default="100", help="model size in millions of parameters")
     a = ap.parse_args()
@@ -174,7 +208,7 @@ def main() -> None:
     only = set(a.only.split(","))
     ways = a.ways.split(",")
     results: dict[str, dict[str, list[dict]]] = {}
-    for name, measure in (("crash", crash), ("loss", loss), ("join", join)):
+    for name, measure in (("crash", crash), ("loss", loss), ("join", join), ("hang", hang)):
         if name not in only:
             continue
         for i in range(a.repeat):
@@ -185,15 +219,20 @@ def main() -> None:
     print("| figure | " + " | ".join(ways) + " |")
     print("|---|" + "---|" * len(ways))
     labels = {"crash": "worker crash → all ranks stepping", "loss": "node loss (agent SIGKILL) → survivor stepping",
-              "join": "node join → all ranks stepping (from the joiner's launch)"}
+              "join": "node join → all ranks stepping (from the joiner's launch)",
+              "hang": "hang (rank 1 SIGSTOPped, --hang-timeout 2) → all ranks stepping"}
     for name, by_way in results.items():
-        keys = list(dict.fromkeys(k for runs in by_way.values() for r in runs for k in r if k != "sources"))
+        keys = list(dict.fromkeys(k for runs in by_way.values() for r in runs for k in r
+                                  if k not in ("sources", "blamed")))
         for key in keys:
             label = labels[name] if key == "total" else f"  {name}: {key}"
             cells = [fmt(median(r.get(key) for r in by_way.get(w, []))) for w in ways]
             print(f"| {label} | " + " | ".join(cells) + " |")
         srcs = [";".join(r.get("sources", "") for r in by_way.get(w, [])) or "—" for w in ways]
         print(f"|   {name}: restore sources | " + " | ".join(srcs) + " |")
+        if name == "hang":
+            blamed = [";".join(r.get("blamed", "") for r in by_way.get(w, [])) or "—" for w in ways]
+            print(f"|   {name}: ranks blamed (hang_detected) | " + " | ".join(blamed) + " |")
     if "steady" in only:
         step: dict[str, list] = {}
         for i in range(max(2, a.repeat)):

@@ -113,7 +113,8 @@ class LocalAgent:
         self.session = self.runtime.add(ReformSession(channel, config.reform_timeout))
         self.launches = LaunchBuilder(config, base_env if base_env is not None else os.environ, self.node_id,
                                       self.runtime)
-        self.group = WorkerGroup(config, starter, self.session, self.report, self.node_id, self.hostname)
+        self.group = WorkerGroup(config, starter, self.session, self.report, self.node_id, self.hostname,
+                                 handler.claim_hang)
         self.result: RoundResult | None = None
         self._pending_signal: int | None = None
         self._in_rendezvous = False

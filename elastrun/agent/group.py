@@ -5,7 +5,18 @@ The group starts a round's workers (taking back those an in-process re-form kept
 ends itself: it kills the workers of failed ranks and every worker that cannot re-form, and pauses
 the others through the :class:`~elastrun.agent.reform.ReformSession`.  For a failure or a hang it
 builds the :class:`FailureRecord` the rendezvous keeps.  Rounds, signals and the rendezvous are the
-agent's (:mod:`elastrun.agent.agent`).
+agent's (:mod:`elastrun.agent.agent`), which hands the group one rendezvous call: ``claim_hang``.
+
+A hang has one culprit and often several silent workers: those blocked in a collective on the hung
+one stop their heartbeats too, on this node and on others.  The group picks the culprit among its
+silent workers (a frozen one, else the one silent the longest), and claims the round's first fault
+in the rendezvous before acting (:meth:`~elastrun.rendezvous.api.RendezvousHandler.claim_hang`).
+The first claim is the hang: its worker's stacks are dumped (SIGABRT, faulthandler) and it is killed
+at once while the others are paused.  A node that finds another fault claimed first ends its group
+as for a change elsewhere, blaming nobody: its silent workers leave their group like the others
+(one that cannot is the fallback: dumped and restarted after ``--reform-timeout``).  A silent worker
+that is still running may only wait on a peer, so its node claims after :data:`HANG_GRACE` (when the
+round has other nodes): a node whose worker is frozen claims first.
 
 Example (what the agent's loop does)::
 
@@ -20,6 +31,7 @@ from __future__ import annotations
 import enum
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from elastrun.agent.hang import HangTracker
@@ -28,7 +40,7 @@ from elastrun.agent.reform import ReformSession
 from elastrun.agent.report import AgentReport
 from elastrun.config import LaunchConfig
 from elastrun.protocol import HEARTBEAT_ENV
-from elastrun.rendezvous.api import FailureRecord, RoundResult
+from elastrun.rendezvous.api import FailureRecord, RendezvousError, RoundResult
 from elastrun.workers.api import ExitStatus, WorkerHandle, WorkerLaunch, WorkerStarter
 from elastrun.workers.reports import clear_reports, read_error_file, read_exit_report
 
@@ -52,16 +64,33 @@ class GroupEnd:
     exit_code: int = 1
 
 
+#: Seconds a node whose silent worker still runs waits before it claims the round's hang (or 3
+#: ``--monitor-interval``, if longer): the node of a frozen worker, which finds the same silence
+#: within about one monitor interval, claims first.
+HANG_GRACE = 1.0
+#: How long a hung worker has to write its stacks after SIGABRT before it is killed.
+DUMP_WAIT = 3.0
+
+
 def _killed() -> ExitStatus:
     return ExitStatus(exitcode=None, signal=signal.SIGKILL, timestamp=time.time())
+
+
+def _no_claims(failure: FailureRecord) -> str | None:
+    return None
 
 
 class WorkerGroup:
     """This node's workers of the current round (see the module docstring)."""
 
     def __init__(self, config: LaunchConfig, starter: WorkerStarter, session: ReformSession, report: AgentReport,
-                 node_id: str, hostname: str) -> None:
+                 node_id: str, hostname: str,
+                 claim_hang: Callable[[FailureRecord], str | None] = _no_claims) -> None:
         self.config = config
+        #: The rendezvous's :meth:`~elastrun.rendezvous.api.RendezvousHandler.claim_hang` (see the module docstring).
+        self.claim_hang = claim_hang
+        #: When this group first found a silent worker that still runs (monotonic), until it claims.
+        self._silent_since: float | None = None
         self.starter = starter
         self.session = session
         self.report = report
@@ -79,6 +108,7 @@ class WorkerGroup:
         """Start the round's workers, handing kept (paused) workers their new launch instead."""
         kept = self.session.take_kept()
         self.workers, self.trackers, self.statuses, self._exit_reports = [], {}, {}, {}
+        self._silent_since = None
         for launch in launches:
             local_rank = launch.local_rank
             hb_path = launch.env[HEARTBEAT_ENV]
@@ -147,9 +177,10 @@ class WorkerGroup:
             return GroupEnd(Outcome.FAILED, failure, f"the failure of rank {failure.rank}", detected)
         if len(self.statuses) == len(self.workers):
             return GroupEnd(Outcome.SUCCEEDED)
-        hung = self._find_hang(result)
-        if hung is not None:
-            return self._end_for_hang(result, *hung)
+        silent = self._silent(result)
+        if silent:
+            return self._on_silence(result, silent)
+        self._silent_since = None
         return None
 
     def _exit_report(self, handle: WorkerHandle) -> tuple[int, float] | None:
@@ -187,8 +218,10 @@ class WorkerGroup:
         self.report.teardown_fault(result, handle, status, report[0], time.time() - report[1])
         return ExitStatus(exitcode=report[0], signal=None, timestamp=status.timestamp)
 
-    def _find_hang(self, result: RoundResult) -> tuple[WorkerHandle, str] | None:
+    def _silent(self, result: RoundResult) -> list[tuple[WorkerHandle, str]]:
+        """The running workers silent past their hang timeout, with how each is silent."""
         now = time.time()
+        out = []
         for handle in self.workers:
             if handle.launch.local_rank in self.statuses or self._exit_report(handle) is not None:
                 continue
@@ -198,29 +231,58 @@ class WorkerGroup:
             if first_beat is not None:
                 self.report.worker_stepping(result, handle, first_beat, tracker.started)
             if reason is not None:
-                return handle, reason
-        return None
+                out.append((handle, reason))
+        return out
+
+    def _on_silence(self, result: RoundResult, silent: list[tuple[WorkerHandle, str]]) -> GroupEnd | None:
+        """Pick the culprit among the silent workers, claim the round's hang, and end the group (None:
+        a running culprit in a round of several nodes waits out :data:`HANG_GRACE` first)."""
+        frozen = [(h, why) for h, why in silent if h.frozen()]
+        handle, reason = frozen[0] if frozen else min(
+            silent, key=lambda hw: (self.trackers[hw[0].launch.local_rank].last_beat or 0.0, hw[0].launch.local_rank))
+        now = time.monotonic()
+        if not frozen and result.group_world_size > 1:
+            self._silent_since = now if self._silent_since is None else self._silent_since
+            if now - self._silent_since < max(HANG_GRACE, 3 * self.config.monitor_interval):
+                return None
+        try:
+            first = self.claim_hang(self._hang_record(handle, reason))
+        except RendezvousError as exc:  # unanswered: this node reports its own hang, as every node did before claims
+            self.report.detail(f"could not claim the hang in the rendezvous: {exc}")
+            first = None
+        if first is not None:
+            return self._end_behind(result, handle, reason, first)
+        return self._end_for_hang(result, handle, reason)
+
+    def _hang_record(self, handle: WorkerHandle, reason: str) -> FailureRecord:
+        """The claim of a hang (the failure record itself comes once the worker is dead)."""
+        return FailureRecord(node_id=self.node_id, hostname=self.hostname, rank=handle.launch.rank,
+                             local_rank=handle.launch.local_rank, exitcode=None, signal=None, timestamp=time.time(),
+                             message=f"hang detected: {reason}")
 
     def _end_for_hang(self, result: RoundResult, handle: WorkerHandle, reason: str) -> GroupEnd:
-        """Dump the hung worker's Python stacks (faulthandler on SIGABRT), end the group, record it."""
+        """The hang is this node's: dump the worker's Python stacks (faulthandler on SIGABRT) and kill
+        it, pause the others meanwhile, and record the failure."""
         detected = time.monotonic()
-        self.session.pump()
-        reforming = self.session.opted_in(handle)
-        self.report.hang_detected(result, handle, reason, reforming)
-        if reforming:
-            # A worker blocked in a collective on a stopped or dead peer looks hung too: every worker
-            # is asked to leave its group; the ones that cannot are the hung ones (dumped, restarted).
-            kept = self.end(set(), detected, dump=True)
-            status = handle.poll() or (ExitStatus(exitcode=None, signal=None, timestamp=time.time())
-                                       if handle in kept else _killed())
-        else:
-            handle.send_signal(signal.SIGABRT)
-            handle.send_signal(signal.SIGCONT)
-            status = handle.wait(3.0) or _killed()
-            self.end({handle.launch.local_rank}, detected)
+        self.report.hang_detected(result, handle, reason)
+        self.end({handle.launch.local_rank}, detected, dump=True, dumping=handle)
+        status = handle.poll() or _killed()
         failure = self._failure_record(result, [(handle, status)])
         failure.message = f"hang detected: {reason}\n{failure.message}"
         return GroupEnd(Outcome.FAILED, failure, f"the hang of rank {handle.launch.rank}", detected)
+
+    def _end_behind(self, result: RoundResult, handle: WorkerHandle, reason: str, first: str) -> GroupEnd:
+        """Another fault of the round came first: the silent worker is taken to wait on it.  The group
+        ends as for a change elsewhere; a worker that cannot leave its group is dumped and restarted,
+        at once when it is frozen (it cannot answer a pause), else after ``--reform-timeout``."""
+        detected = time.monotonic()
+        why = f"rank {handle.launch.rank} waits on {first}"
+        self.report.hang_elsewhere(result, handle, reason, first)
+        if handle.frozen():
+            self.end({handle.launch.local_rank}, detected, dump=True, dumping=handle)
+        else:
+            self.end(set(), detected, dump=True)
+        return GroupEnd(Outcome.MEMBERSHIP, reason=why, detected_at=detected)
 
     def _failure_record(self, result: RoundResult, failed: list[tuple[WorkerHandle, ExitStatus]]) -> FailureRecord:
         records = []
@@ -242,15 +304,22 @@ class WorkerGroup:
         return first
 
     # ------------------------------------------------------------------ end
-    def end(self, doomed: set[int], detected_at: float, dump: bool = False) -> list[WorkerHandle]:
+    def end(self, doomed: set[int], detected_at: float, dump: bool = False,
+            dumping: WorkerHandle | None = None) -> list[WorkerHandle]:
         """End the group: kill the workers of ``doomed`` local ranks and every worker that cannot
         re-form in process; pause the others (kept for the next round, returned).
 
         ``dump``: a worker that was asked to leave and did not is sent SIGABRT first (its Python
-        stacks go to its stderr), as a hung worker is.
+        stacks go to its stderr), as a hung worker is.  ``dumping``: a doomed worker (a hung one)
+        sent SIGABRT at once instead of SIGKILL; it has :data:`DUMP_WAIT` s, while the others are
+        paused, to write its stacks before it is killed.
         """
+        if dumping is not None and dumping.poll() is None:
+            dumping.send_signal(signal.SIGABRT)
+            dumping.send_signal(signal.SIGCONT)
+        dump_deadline = time.monotonic() + DUMP_WAIT
         for handle in self.workers:
-            if handle.launch.local_rank in doomed and handle.poll() is None:
+            if handle.launch.local_rank in doomed and handle is not dumping and handle.poll() is None:
                 handle.send_signal(signal.SIGKILL)
         candidates = [h for h in self.workers if h.launch.local_rank not in doomed]
         kept, asked = self.session.pause(candidates, detected_at)
@@ -258,13 +327,15 @@ class WorkerGroup:
             if handle.pid in self.session.refused:
                 self.report.reform_fallback(handle, self.session.refused[handle.pid])
         stuck = [h for h in asked if h not in kept and h.poll() is None]
+        dumped = [dumping] if dumping is not None else []
         if dump and stuck:
             for handle in stuck:
                 handle.send_signal(signal.SIGABRT)
                 handle.send_signal(signal.SIGCONT)
-            deadline = time.monotonic() + 3.0
-            for handle in stuck:
-                handle.wait(max(0.0, deadline - time.monotonic()))
+            dumped += stuck
+            dump_deadline = time.monotonic() + DUMP_WAIT
+        for handle in dumped:
+            handle.wait(max(0.0, dump_deadline - time.monotonic()))
         for handle in self.workers:
             if handle not in kept:
                 self._discard(handle)

@@ -180,16 +180,20 @@ class AgentReport:
         cause = f": {last[-1].split(']: ', 1)[-1][:200]}" if last else ""
         self.console.error(f"rank {failure.rank} on {self.hostname} failed ({how}){cause}; starting a new round")
 
-    def hang_detected(self, result: RoundResult, handle: WorkerHandle, reason: str, reforming: bool) -> None:
-        """A worker's heartbeats stopped: with ``reforming``, every worker is asked to leave its group first."""
+    def hang_detected(self, result: RoundResult, handle: WorkerHandle, reason: str) -> None:
+        """A worker's heartbeats stopped and its hang is the round's first fault: it is dumped and killed."""
         rank = handle.launch.rank
         self.events.emit("hang_detected", round=result.round, rank=rank, local_rank=handle.launch.local_rank,
                          reason=reason)
-        if reforming:
-            self.console.error(f"rank {rank} is hung: {reason}; asking the workers to leave their group "
-                               "(a worker that cannot is dumped to its stderr and restarted)")
-        else:
-            self.console.error(f"rank {rank} is hung: {reason}; dumping its stack to its stderr and restarting")
+        self.console.error(f"rank {rank} is hung: {reason}; dumping its stack to its stderr and restarting it")
+
+    def hang_elsewhere(self, result: RoundResult, handle: WorkerHandle, reason: str, first: str) -> None:
+        """A worker's heartbeats stopped, but another fault of the round came first: it waits on that one."""
+        why = f"rank {handle.launch.rank} waits on {first}"
+        self.console.warn(f"rank {handle.launch.rank} made no progress ({reason}), behind {first}: "
+                          "stopping the local workers for a new round")
+        self.events.emit("restart", round=result.round, reason=why, restarts_used=result.restarts_used,
+                         max_restarts=result.max_restarts)
 
     # -- in-process re-forms ---------------------------------------------------------------------
     def workers_paused(self, ranks: list[int], took: float) -> None:

@@ -273,6 +273,21 @@ class RendezvousHandler(abc.ABC):
     def report_failure(self, failure: FailureRecord) -> None:
         """Record that this node's workers failed in the current round (the root cause for the job)."""
 
+    def claim_hang(self, failure: FailureRecord) -> str | None:
+        """Claim the current round's first fault for a hung worker of this node (``failure``), before
+        acting on it.
+
+        Workers blocked in a collective on a hung peer stop their heartbeats too, so the agents of
+        several nodes may each find a silent worker for one hang.  The round's first fault wins.
+        None: this claim is the first, and the hang is this node's to report (dump and kill the
+        worker, record the failure).  Otherwise a line naming the fault that came first (another
+        node's hang or failure, a lost or departed node): this node's silent worker is taken to wait
+        on it, and its group ends as for a change elsewhere, charging nothing.
+
+        The default, for a backend that keeps no such record, is None: every agent reports its own.
+        """
+        return None
+
     @abc.abstractmethod
     def leave(self, reason: str) -> None:
         """Leave the job for good (pre-emption, operator stop) without charging the restart budget."""

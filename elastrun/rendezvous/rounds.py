@@ -311,6 +311,13 @@ def root_cause(failures: list[FailureRecord]) -> FailureRecord | None:
     return min(failures, key=lambda f: (f.timestamp, f.rank))
 
 
+def fault_line(failure: FailureRecord) -> str:
+    """How another node's fault is named to an agent whose silent worker waits on it
+    (:meth:`~elastrun.rendezvous.api.RendezvousHandler.claim_hang`)."""
+    what = "hang" if failure.message.startswith("hang detected") else "failure"
+    return f"the {what} of rank {failure.rank} on {failure.hostname or failure.node_id}"
+
+
 def format_failure(failure: FailureRecord, max_lines: int = 40) -> str:
     """Human-readable root cause: rank, node, exit code or signal, time, and the traceback."""
     import datetime

@@ -113,6 +113,17 @@ class WorkerHandle(abc.ABC):
                 return None
             select.select([self.fileno()], [], [], remaining if remaining is not None else 1.0)
 
+    def frozen(self) -> bool:
+        """Whether the worker's process is stopped (SIGSTOP, a debugger) or in uninterruptible sleep
+        (stuck in the kernel, e.g. on a dead file system) now.  Such a worker cannot merely be
+        waiting on a peer: a silent worker in this state is hung itself.  False when unknown."""
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        return state in (b"T", b"t", b"D")
+
     def set_console_prefix(self, prefix: str) -> None:
         """Prefix the worker's later console lines with ``prefix`` (a worker kept across a re-form
         gets a new rank); a no-op for a worker whose output does not pass through the agent."""

@@ -28,6 +28,8 @@ class StandInHandle(WorkerHandle):
         self._status: ExitStatus | None = None
         self._r, self._w = os.pipe()
         self.closed = False
+        #: What :meth:`frozen` answers (a test sets it: the worker is "stopped").
+        self.is_frozen = False
 
     def exit(self, code: int | None = 0, sig: int | None = None) -> None:
         if self._status is None:
@@ -47,6 +49,9 @@ class StandInHandle(WorkerHandle):
 
     def wait(self, timeout: float | None = None) -> ExitStatus | None:
         return self._status
+
+    def frozen(self) -> bool:
+        return self.is_frozen
 
     def set_console_prefix(self, prefix: str) -> None:
         self.prefix = prefix

@@ -7,6 +7,7 @@ test reads.  End-to-end behaviour (real agents and workers) is in the other test
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import time
 
 import pytest
 
+from elastrun.agent import group as group_module
 from elastrun.agent.group import Outcome, WorkerGroup
 from elastrun.agent.reform import Phase, ReformSession
 from elastrun.agent.report import AgentReport
@@ -32,7 +34,24 @@ class Setup:
         self.report.events.add_listener(self.events.append)
         self.starter = StandInStarter()
         self.session = ReformSession(channel, timeout=5.0)
-        self.group = WorkerGroup(self.config, self.starter, self.session, self.report, "node-a", "host-a")
+        #: The hangs claimed in the rendezvous (a stand-in: :attr:`first_fault` answers every claim).
+        self.claims: list = []
+        self.first_fault: str | None = None
+        self.group = WorkerGroup(self.config, self.starter, self.session, self.report, "node-a", "host-a",
+                                 self._claim)
+
+    def _claim(self, failure) -> str | None:
+        self.claims.append(failure)
+        return self.first_fault
+
+    def beat(self, launches: list[WorkerLaunch], silent: dict[int, float]) -> None:
+        """Every worker has beaten; those of ``silent`` local ranks last that many seconds ago."""
+        for launch in launches:
+            with open(launch.env[HEARTBEAT_ENV], "w") as fh:
+                fh.write("1\n")
+            if launch.local_rank in silent:
+                ago = time.time() - silent[launch.local_rank]
+                os.utime(launch.env[HEARTBEAT_ENV], (ago, ago))
 
     def launches(self, result) -> list[WorkerLaunch]:
         out = []
@@ -117,17 +136,74 @@ def test_a_silent_worker_is_dumped_and_the_group_ends(setup):
     result = round_result()
     launches = s.launches(result)
     s.group.start(result, launches)
-    for launch in launches:
-        with open(launch.env[HEARTBEAT_ENV], "w") as fh:
-            fh.write("1\n")
-    os.utime(launches[0].env[HEARTBEAT_ENV], (time.time() - 5, time.time() - 5))
+    s.beat(launches, {0: 5})
     end = s.group.check(result)
     assert end is not None and end.outcome is Outcome.FAILED and end.reason == "the hang of rank 0"
     assert end.failure is not None and end.failure.message.startswith("hang detected: no heartbeat for")
     assert s.starter.started[0].signals[:2] == [signal.SIGABRT, signal.SIGCONT]
     assert signal.SIGKILL in s.starter.started[1].signals
     assert s.named("hang_detected")[0]["rank"] == 0
-    assert {e["rank"] for e in s.named("worker_stepping")} == {0}  # rank 0's first beat was seen before
+    assert [c.rank for c in s.claims] == [0]  # claimed in the rendezvous before it was acted on
+    assert {e["rank"] for e in s.named("worker_stepping")} == {0, 1}  # both first beats were seen
+
+
+def test_of_two_silent_workers_the_frozen_one_is_the_hang_and_the_other_keeps_its_process(setup):
+    """Rank 1 is frozen (stopped); rank 0, silent longer, is blocked on it: rank 1 is dumped and killed
+    at once, rank 0 is paused and kept, and only rank 1 is blamed."""
+    channel = StandInChannel()
+    s = setup(channel, hang_timeout=0.5)
+    result = round_result()
+    launches = s.launches(result)
+    s.group.start(result, launches)
+    blocked, hung = s.starter.started
+    hung.is_frozen = True
+    channel.answers[blocked.pid] = Paused(live=3, pid=blocked.pid)
+    s.beat(launches, {0: 6, 1: 5})
+    end = s.group.check(result)
+    assert end is not None and end.outcome is Outcome.FAILED and end.reason == "the hang of rank 1"
+    assert hung.signals[:2] == [signal.SIGABRT, signal.SIGCONT] and hung.poll() is not None
+    assert blocked.poll() is None and signal.SIGABRT not in blocked.signals
+    assert [e["rank"] for e in s.named("hang_detected")] == [1]
+    assert s.session.phase is Phase.PAUSED
+
+
+def test_a_running_silent_worker_of_a_larger_round_waits_on_the_fault_claimed_first(setup, monkeypatch):
+    """Its node waits out the grace (a frozen worker's node claims first), then finds another node's
+    hang claimed: nobody here is blamed, the group ends as for a change elsewhere, the worker is paused."""
+    grace = 0.2
+    monkeypatch.setattr(group_module, "HANG_GRACE", grace)
+    channel = StandInChannel()
+    s = setup(channel, hang_timeout=0.5, nproc_per_node=1)
+    result = dataclasses.replace(round_result(nproc=1, world=2), group_world_size=2)
+    launches = s.launches(result)
+    s.group.start(result, launches)
+    [blocked] = s.starter.started
+    channel.answers[blocked.pid] = Paused(live=3, pid=blocked.pid)
+    s.beat(launches, {0: 5})
+    s.first_fault = "the hang of rank 1 on host-b"
+    found = time.monotonic()
+    assert s.group.check(result) is None and s.claims == []  # within the grace
+    while (end := s.group.check(result)) is None:
+        assert time.monotonic() - found < 10 * grace
+        time.sleep(0.02)
+    assert time.monotonic() - found >= grace
+    assert end.outcome is Outcome.MEMBERSHIP and end.failure is None
+    assert end.reason == "rank 0 waits on the hang of rank 1 on host-b"
+    assert s.named("hang_detected") == [] and s.named("restart")[0]["reason"] == end.reason
+    assert blocked.poll() is None and signal.SIGABRT not in blocked.signals
+    assert s.session.phase is Phase.PAUSED
+
+
+def test_a_frozen_worker_of_a_larger_round_is_claimed_at_once(setup):
+    s = setup(hang_timeout=0.5, nproc_per_node=1)
+    result = dataclasses.replace(round_result(nproc=1, world=2), group_world_size=2)
+    launches = s.launches(result)
+    s.group.start(result, launches)
+    s.starter.started[0].is_frozen = True
+    s.beat(launches, {0: 5})
+    end = s.group.check(result)
+    assert end is not None and end.outcome is Outcome.FAILED and end.reason == "the hang of rank 0"
+    assert [c.rank for c in s.claims] == [0]
 
 
 def test_survivors_are_paused_kept_and_handed_the_next_round(setup):
@@ -167,3 +243,20 @@ def test_forward_signal_then_kill(setup):
     s.group.forward_signal(signal.SIGTERM, grace=0.0)
     for handle in s.starter.started:
         assert handle.signals[0] == signal.SIGTERM and handle.poll() is not None and handle.closed
+
+
+def test_a_frozen_worker_behind_another_fault_is_replaced_at_once_and_not_blamed(setup):
+    """Another node's fault was claimed first (a frozen worker lost the claim): the frozen worker
+    cannot answer a pause, so it is dumped and killed at once, without a failure charged here."""
+    s = setup(StandInChannel(), hang_timeout=0.5, nproc_per_node=1)
+    result = dataclasses.replace(round_result(nproc=1, world=2), group_world_size=2)
+    launches = s.launches(result)
+    s.group.start(result, launches)
+    [frozen] = s.starter.started
+    frozen.is_frozen = True
+    s.beat(launches, {0: 5})
+    s.first_fault = "the loss of node node-b"
+    end = s.group.check(result)
+    assert end is not None and end.outcome is Outcome.MEMBERSHIP and end.failure is None
+    assert frozen.signals[:2] == [signal.SIGABRT, signal.SIGCONT] and frozen.poll() is not None
+    assert s.named("hang_detected") == [] and s.session.take_kept() == {}

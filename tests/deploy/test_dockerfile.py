@@ -240,7 +240,7 @@ def test_copy_sources_are_in_the_build_context(dockerfile) -> None:
 @pytest.mark.parametrize(
     ("path", "excluded"),
     [
-        ("elastrun/cli.py", False),
+        ("elastrun/cli/dispatch.py", False),
         ("pyproject.toml", False),
         ("examples/train_imagenet_style.py", False),
         (".venv/bin/python", True),

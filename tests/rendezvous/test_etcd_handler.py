@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from elastrun.rendezvous.api import NodeInfo, RendezvousConfigError, RendezvousParameters
+from elastrun.rendezvous.api import FailureRecord, NodeInfo, RendezvousConfigError, RendezvousParameters
 from elastrun.rendezvous.etcd import create_handler, parse_config
 from tests.rendezvous.etcd_cluster import EtcdCluster, etcd_available
 
@@ -219,6 +219,26 @@ def test_member_whose_lease_expired_as_its_round_closed_takes_its_place_back():
                 time.sleep(0.05)
             assert any(k.endswith("/r0/lost/a") for k in cluster.list_keys())
             assert {r.round for r in _round_together({"a": a, "b": b}).values()} == {1}
+        finally:
+            a.close()
+            b.close()
+
+
+@needs_etcd
+def test_the_first_hang_claim_of_a_round_wins():
+    """As on c10d (tests/rendezvous/test_store_backends.py), in one transaction: the first claim is
+    the hang; a later claim is told what came first, a lost node before any claim."""
+    def hang(node: str, rank: int) -> FailureRecord:
+        return FailureRecord(node_id=node, hostname=f"host-{node}", rank=rank, local_rank=0, exitcode=None,
+                             signal=None, timestamp=time.time(), message="hang detected: no heartbeat for 2.0 s")
+
+    with EtcdCluster(1) as cluster:
+        a, b = (create_handler(RendezvousParameters("etcd", cluster.endpoints, "claims", 2, 2)) for _ in range(2))
+        try:
+            assert {r.round for r in _round_together({"a": a, "b": b}).values()} == {0}
+            assert b.claim_hang(hang("b", 1)) is None
+            assert a.claim_hang(hang("a", 0)) == "the hang of rank 1 on host-b"
+            assert b.claim_hang(hang("b", 1)) is None
         finally:
             a.close()
             b.close()

@@ -3,11 +3,14 @@
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
 from elastrun.rendezvous import registry
-from elastrun.rendezvous.api import RendezvousConfigError, RendezvousParameters
+from elastrun.rendezvous.api import FailureRecord, NodeInfo, RendezvousConfigError, RendezvousParameters
+from elastrun.rendezvous.c10d import create_handler
 from tests.harness import REPO, SCRIPTS, base_env, free_port, read_steps
 
 
@@ -92,3 +95,32 @@ def test_entry_point_group_is_declared_in_the_package():
     assert group["static"] == "elastrun.rendezvous.static:BACKEND"
     for name, target in group.items():  # each names a backend object that the registry loads
         assert isinstance(registry._as_backend(registry._load(target)), registry.RendezvousBackend), name
+
+
+def _hang(node: str, rank: int) -> FailureRecord:
+    return FailureRecord(node_id=node, hostname=f"host-{node}", rank=rank, local_rank=0, exitcode=None, signal=None,
+                         timestamp=time.time(), message="hang detected: no heartbeat for 2.0 s")
+
+
+def test_the_first_hang_claim_of_a_round_wins():
+    """Two members of a round each find a silent worker (one hang and its blocked peer): the first
+    claim is the hang, the other is told what came first; the winner asking again keeps it."""
+    port = free_port()
+    handlers = {node: create_handler(RendezvousParameters(
+        "c10d", f"127.0.0.1:{port}", "claims", 2, 2, config={"is_host": str(node == "a").lower()}))
+        for node in ("a", "b")}
+    try:
+        joined: dict[str, object] = {}
+        threads = [threading.Thread(target=lambda n=n: joined.update({n: handlers[n].next_round(
+            NodeInfo(n, "127.0.0.1", 1))})) for n in handlers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert {r.round for r in joined.values()} == {0}
+        assert handlers["b"].claim_hang(_hang("b", 1)) is None
+        assert handlers["a"].claim_hang(_hang("a", 0)) == "the hang of rank 1 on host-b"
+        assert handlers["b"].claim_hang(_hang("b", 1)) is None
+    finally:
+        for node in ("b", "a"):  # the store's host last: it waits for the others to leave
+            handlers[node].close()

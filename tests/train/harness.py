@@ -34,10 +34,11 @@ def standalone(out: Path, trainer_args: list[str], nproc: int = 2, flags: tuple[
     ]  # fmt: skip
 
 
-def elastic(out: Path, port: int, run_id: str, trainer_args: list[str]) -> list[str]:
+def elastic(out: Path, port: int, run_id: str, trainer_args: list[str], nnodes: str = "1:2",
+            flags: tuple[str, ...] = ()) -> list[str]:
     return [
         sys.executable, "-m", "elastrun", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-        f"--rdzv-id={run_id}", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3", PRELOAD,
+        f"--rdzv-id={run_id}", f"--nnodes={nnodes}", "--nproc-per-node=1", "--max-restarts=3", PRELOAD, *flags,
         str(TRAINER), "--out", str(out), *trainer_args,
     ]  # fmt: skip
 

@@ -109,9 +109,10 @@ def test_spawned_workers_reform_too(work, procs):
 
 
 def test_survivor_leaves_collective_blocked_on_stopped_peer(work, procs):
-    """A SIGSTOPped rank blocks the other in a collective; the hang detector kills the stopped one,
-    the blocked survivor leaves its collective (its group's connections are shut down) and keeps its
-    process; the job ends equal to an uninterrupted one."""
+    """A SIGSTOPped rank blocks the other in a collective; the hang detector dumps and kills the
+    stopped one at once (the other, silent too, is not blamed); the blocked survivor leaves its
+    collective (its group's connections are shut down) and keeps its process; the job ends equal
+    to an uninterrupted one."""
     expected = clean_run(work, procs, ["--ddp"])
     out = work / "out"
     out.mkdir()
@@ -125,10 +126,48 @@ def test_survivor_leaves_collective_blocked_on_stopped_peer(work, procs):
     got = restores(out)
     assert got[(1, 0)]["pid"] == got[(0, 0)]["pid"], (got, log[-3000:])
     assert got[(1, 1)]["pid"] != victim, got
-    # Either rank may be judged hung first (both are silent); only the stopped one cannot leave.
-    assert " is hung: " in log and "[node0 rank1]: Fatal Python error: Aborted" in log, log[-3000:]
+    # Both ranks are silent; only the stopped one (frozen) is judged hung, dumped and replaced.
+    assert log.count(" is hung: ") == 1 and "rank 1 is hung: " in log, log[-3000:]
+    assert "[node0 rank1]: Fatal Python error: Aborted" in log, log[-3000:]
     assert "re-formed in process" in log, log[-3000:]
     assert final(out) == expected
+
+
+def test_a_hang_across_two_nodes_blames_one_rank_and_the_blocked_peer_keeps_its_process(work, procs):
+    """Two agents, one gloo worker each; rank 1 is SIGSTOPped.  Rank 0, blocked in a collective on
+    it, falls silent too, but only rank 1's agent reports a hang: its worker is frozen, so it claims
+    the round's hang first; rank 0's agent finds that claim and ends its group as for a change
+    elsewhere.  One rank is blamed (one ``hang_detected``, one failure recorded), rank 1 is dumped,
+    rank 0 keeps its process (no wait for rank 1 to answer a pause it cannot), and the job ends well."""
+    out = work / "out"
+    out.mkdir()
+    run_id = f"hang-test-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    args = ["--ddp", "--reform", "--sleep", "0.05"]
+    flags = ("--hang-timeout=2", "--event-log-stdout")
+    try:
+        agents = [procs.start(elastic(out, port, run_id, args, nnodes="2", flags=flags), work / "a.log")]
+        wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
+        agents.append(procs.start(elastic(out, port, run_id, args, nnodes="2", flags=flags), work / "b.log"))
+        wait_for(lambda: len(committed_steps(out)) >= 4, 90, "4 steps at world size 2")
+        victim = restores(out)[(0, 1)]["pid"]
+        os.kill(victim, signal.SIGSTOP)
+        for agent, name in zip(agents, ("a.log", "b.log"), strict=True):
+            assert agent.wait(120) == 0, (work / name).read_text()[-3000:]
+    finally:
+        remove_snapshot_dirs(run_id)
+    logs = {name: work / name for name in ("a.log", "b.log")}
+    text = "\n".join(path.read_text()[-3000:] for path in logs.values())
+    hangs = [e for path in logs.values() for e in events(path, "hang_detected")]
+    assert [e["rank"] for e in hangs] == [1], (hangs, text)
+    # Rank 0's agent ends its group as for a change elsewhere: it found rank 1's claim (``waits on
+    # the hang of rank 1``) or, first, the new round rank 1's agent asked for.
+    assert [e["round"] for path in logs.values() for e in events(path, "restart")] == [0], text
+    assert sum(path.read_text().count(" is hung: ") for path in logs.values()) == 1, text
+    assert any("rank1]: Fatal Python error: Aborted" in path.read_text() for path in logs.values()), text
+    assert not [e for path in logs.values() for e in events(path, "reform_fallback")], text
+    got = restores(out)
+    assert got[(1, 0)]["pid"] == got[(0, 0)]["pid"] and got[(1, 1)]["pid"] != victim, got
 
 
 def test_survivor_that_cannot_leave_is_restarted(work, procs):

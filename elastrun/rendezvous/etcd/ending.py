@@ -14,13 +14,16 @@ from elastrun.rendezvous.etcd.base import HandlerBase
 from elastrun.rendezvous.etcd.client import (
     EtcdUnavailable,
     LeaseNotFound,
+    cmp_absent,
     cmp_mod,
     cmp_range_empty,
     op_delete,
     op_delete_prefix,
     op_put,
+    op_range,
     prefix_end,
 )
+from elastrun.rendezvous.rounds import fault_line
 
 
 class Ending(HandlerBase):
@@ -40,6 +43,34 @@ class Ending(HandlerBase):
         key = self._r(self._round, "fail", failure.node_id)
         value = self._seal(key, failure.to_json())
         self._write_soon(lambda: self._kv.put(key, value, self._job_lease), "record the failure")
+
+    def claim_hang(self, failure: FailureRecord) -> str | None:
+        """The round's first fault, in one transaction: a lost or departed node, another node's
+        failure, or the first ``r<R>/hang`` claim, which it puts when there is none of these."""
+        if self._round is None:
+            return None
+        base = self._r(self._round, "")
+        key = base + "hang"
+        kinds = ("lost/", "left/", "fail/")
+        try:
+            won, reads = self._kv.txn_reads(
+                [cmp_absent(key), *(cmp_range_empty(base + kind) for kind in kinds)],
+                [op_put(key, self._seal(key, failure.to_json()), self._job_lease)],
+                [op_range(base + kind, prefix_end(base + kind)) for kind in kinds] + [op_range(key)])
+        except (EtcdUnavailable, LeaseNotFound):
+            return None  # etcd does not answer now: this agent reports its own hang, as before claims
+        if won:
+            return None
+        lost, left, failed, hang = (self._authentic(read[0]) if read else [] for read in reads)
+        for kv in lost + left:
+            node_id = kv.key[len(base) + 5:]
+            if node_id != failure.node_id:
+                return f"the loss of node {node_id}"
+        for kv in failed + hang:
+            record = FailureRecord.from_json(kv.value)
+            if record.node_id != failure.node_id:
+                return fault_line(record)
+        return None
 
     def leave(self, reason: str) -> None:
         if self._round is None or self._node is None:

@@ -13,6 +13,8 @@ Keys (``P`` = ``/elastrun/<run_id>/``, ``Q`` = ``P/e/<incarnation>/``)::
     Q/r<R>/result           the closed round: members and ranks, generation, restarts, abort
     Q/r<R>/store            ADDR:PORT of the workers' TCPStore, hosted by group rank 0
     Q/r<R>/fail/<node>      FailureRecord of a node whose workers failed in round R
+    Q/r<R>/hang             FailureRecord of the round's first hang claim (``claim_hang``), put only
+                            while no ``lost/``, ``left/`` or ``fail/`` key of R exists
     Q/r<R>/done/<node>      the node's workers finished (exit barrier)
     Q/r<R>/left/<node>      the node left for good (reason)
     Q/r<R>/lost/<node>      the node is gone, written by its ring predecessor: ``dead:<watcher>`` (its
