@@ -141,11 +141,16 @@ def broadcast_bytes(buffer: torch.Tensor, src: int, chunk: int = 64 << 20) -> No
 
 def any_flag(flag: bool, scratch: list[torch.Tensor]) -> bool:
     """True on every rank when ``flag`` is true on any rank (one tiny all-reduce)."""
+    return any_flags((flag,), scratch)[0]
+
+
+def any_flags(flags: tuple[bool, ...], scratch: list[torch.Tensor]) -> tuple[bool, ...]:
+    """Each flag OR-ed over every rank, in one tiny all-reduce (every rank passes as many)."""
     if not active():
-        return flag
-    if not scratch:
-        scratch.append(torch.zeros(1, dtype=torch.int32, device=comm_device()))
+        return flags
+    if not scratch or scratch[0].numel() != len(flags):
+        scratch[:] = [torch.zeros(len(flags), dtype=torch.int32, device=comm_device())]
     t = scratch[0]
-    t.fill_(1 if flag else 0)
+    t.copy_(torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return tuple(bool(v) for v in t.tolist())

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from elastrun.train import dist as edist
-from elastrun.train import notes, reform, rng
+from elastrun.train import notes, reform, rng, snapclient
 from elastrun.train.blob import copy_into, flatten, make_header, materialize
 from elastrun.train.checkpoint import CheckpointCorrupt, CheckpointDir, DiskCandidate
 from elastrun.train.plan import Plan, Report, make_plan
-from elastrun.train.snapshot import MemorySnapshots, SlotInfo
+from elastrun.train.snapshot import MemorySnapshots, SlotInfo, parse_meta
 
 if TYPE_CHECKING:
     from elastrun.observe.steplog import StepLog
@@ -70,6 +70,7 @@ class Restorer:
     _persister: BackgroundJob
     _steplog: StepLog
     _abandon: threading.Event
+    last_transfer: dict[str, Any] | None
     # and the methods _module(), _tree(), _tree_extras(), _apply(tree), _drain()
 
     # -- what a re-form rolls back to (elastrun.train.run) ------------------------------------------
@@ -128,6 +129,8 @@ class Restorer:
             disk={s: c.world_size for s, c in disk.items()},
             disk_rng={s: c.rng_ranks for s, c in disk.items()},
             live={live: self._live.world_size} if live is not None and self._live is not None else {},
+            server=snapclient.my_server(),
+            mem_ids={s: (f"shared.{i.slot}", i.meta_crc) for s, i in slots.items()},
         )
         return report, slots, disk
 
@@ -146,8 +149,11 @@ class Restorer:
         return self.last_restore
 
     def _restore(self) -> str | None:
+        self.last_transfer = None
         if self._sharded is not None:  # issue 24
-            return self._sharded.restore()
+            source = self._sharded.restore()
+            self.last_transfer = self._sharded.transfer
+            return source
         if self._model is None and self._optimizer is None and reform.active():
             return None  # issue 24: under et.run a State without a model waits for attach() (no collective)
         self._drain()
@@ -163,13 +169,10 @@ class Restorer:
             plan = make_plan(reports, excluded)
             if plan is None:
                 return None
-            loaded = self._fetch(plan, slots, disk)
-            failures = edist.all_gather(None if loaded is not None else self._rank)
-            if plan.source in ("memory", "live") and any(f is not None for f in failures):
-                excluded.update(("mem", f, plan.step) for f in failures if f is not None)
-                continue
-            if loaded is None:
-                excluded.add(("disk", plan.step) if plan.source == "disk" else ("mem", plan.src_rank, plan.step))
+            loaded, failed = self._fetch(plan, slots, disk, reports, excluded)
+            bad = {f for f in edist.all_gather(failed) if f is not None}
+            if bad:  # the copies that could not be read are left out of the next plan
+                excluded |= bad
                 continue
             if loaded is USE_LIVE:
                 self._rollback_live()
@@ -193,18 +196,55 @@ class Restorer:
         copy_into(flat, data)
         return header, data
 
-    def _fetch(self, plan: Plan, slots: dict[int, SlotInfo], disk: dict[int, DiskCandidate]) -> Any:
-        """The state tree of ``plan.step`` on this rank, ``USE_LIVE``, or None when it could not be read."""
+    def _fetch(self, plan: Plan, slots: dict[int, SlotInfo], disk: dict[int, DiskCandidate],
+               reports: list[Report], excluded: set[tuple]) -> tuple[Any, tuple | None]:  # fmt: skip
+        """The state tree of ``plan.step`` on this rank (or ``USE_LIVE``), and None; or None and the
+        key of the copy that could not be read (left out of the next plan).
+
+        A ``peer`` restore goes through the snapshot servers when every rank has one (each rank
+        whose node lacks the step reads it from a node that has it; not collective), else by a
+        broadcast from the plan's source rank over the process group (collective)."""
         live = self.live_step() == plan.step
-        if plan.source in ("memory", "live"):
+        holders = [r for r in reports if plan.step in r.mem and ("mem", r.rank, plan.step) not in excluded]
+        by_server = plan.source == "peer" and bool(holders) and all(r.server for r in reports)
+        if plan.source in ("memory", "live") or (by_server and (live or plan.step in slots)):
             if live:
-                return USE_LIVE
+                return USE_LIVE, None
             try:
                 info = slots[plan.step]
-                return materialize(info.header, self._mem.read(info))
+                return materialize(info.header, self._mem.read(info)), None
             except (OSError, ValueError, KeyError) as e:
                 notes.warn(f"memory snapshot of step {plan.step} unreadable on rank {self._rank}: {e}", stacklevel=3)
-                return None
+                return None, ("mem", self._rank, plan.step)
+        if by_server:
+            return self._from_server(plan, holders)
+        return self._broadcast(plan, slots, disk, live)
+
+    def _from_server(self, plan: Plan, holders: list[Report]) -> tuple[Any, tuple | None]:
+        """A rank whose node lacks the step reads it from the snapshot server of a node that has
+        it (``elastrun/agent/snapserver.py``): the meta, then the bytes straight into a buffer."""
+        holder = holders[self._rank % len(holders)]
+        name, crc = holder.mem_ids[plan.step]
+        began = time.perf_counter()
+        try:
+            with snapclient.SnapshotClient(holder.server, snapclient.job_key()) as client:  # type: ignore[arg-type]
+                header = parse_meta(client.meta("", name), self._mem.run_id)
+                if header is None or header["step"] != plan.step:
+                    raise ValueError(f"{name} on {holder.server} is not step {plan.step} any more")
+                data = torch.empty(header["nbytes"], dtype=torch.uint8)
+                [error] = client.get([snapclient.Get("", name, crc, 0, header["nbytes"], snapclient.writable(data))])
+                if error is not None:
+                    raise ValueError(error)
+        except (OSError, ValueError) as e:
+            notes.warn(f"step {plan.step} unreadable from rank {holder.rank}'s node ({holder.server}): {e}",
+                       stacklevel=4)  # fmt: skip
+            return None, ("mem", holder.rank, plan.step)
+        self.last_transfer = {"via": "server", "bytes": header["nbytes"], "seconds": time.perf_counter() - began}
+        return materialize(header, data), None
+
+    def _broadcast(self, plan: Plan, slots: dict[int, SlotInfo], disk: dict[int, DiskCandidate],
+                   live: bool) -> tuple[Any, tuple | None]:  # fmt: skip
+        """The lowest rank that has the step (in memory, live, or on disk) sends it to every rank."""
         header: Any = None
         data = None
         if self._rank == plan.src_rank:
@@ -222,15 +262,18 @@ class Restorer:
             except (OSError, ValueError, KeyError) as e:
                 notes.warn(f"step {plan.step} unreadable from {plan.source} on rank {self._rank}: {e}", stacklevel=3)
                 header = {"error": str(e)}
+        began = time.perf_counter()
         header = edist.broadcast_obj(header, plan.src_rank)  # type: ignore[arg-type]
         if "error" in header:
-            return None
+            return None, ("disk", plan.step) if plan.source == "disk" else ("mem", plan.src_rank, plan.step)
         if data is None:
             data = torch.empty(header["nbytes"], dtype=torch.uint8)
         edist.broadcast_bytes(data, plan.src_rank)  # type: ignore[arg-type]
+        if plan.source == "peer" and self._rank != plan.src_rank:
+            self.last_transfer = {"via": "group", "bytes": header["nbytes"], "seconds": time.perf_counter() - began}
         if live:
-            return USE_LIVE  # this rank's own objects already hold the step
-        return materialize(header, data)
+            return USE_LIVE, None  # this rank's own objects already hold the step
+        return materialize(header, data), None
 
     def _restore_rng(self, plan: Plan, disk: dict[int, DiskCandidate]) -> None:
         """Gather each rank's RNG state from whoever holds it, then apply (or derive) it."""

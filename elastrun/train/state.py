@@ -47,7 +47,7 @@ from elastrun.train.sampler import ElasticSampler
 from elastrun.train.snapshot import RNG_KEEP, MemorySnapshots
 
 _RESERVED = {"step", "commit", "restore", "checkpoint", "flush", "close", "extras", "preempted", "last_restore",
-             "live_step", "rebind"}
+             "live_step", "rebind", "restored_from", "last_transfer", "attach", "load_dcp"}
 
 
 def _world() -> tuple[int, int, int]:
@@ -88,6 +88,8 @@ class State(Restorer, Reformable):
     from the elastrun agent).
     ``async_snapshot=False`` copies on the training thread (for code that changes parameters
     outside ``optimizer.step()``).  ``handle_signals`` installs the SIGTERM pre-emption handler.
+    ``copies`` (sharded states): how many nodes' memory holds each committed shard while the job
+    has that many nodes (2: the rank's own node and the next one; 1: no copies elsewhere).
     """
 
     def __init__(
@@ -102,6 +104,7 @@ class State(Restorer, Reformable):
         snapshot_dir: str | Path | None = None,
         async_snapshot: bool = True,
         handle_signals: bool = True,
+        copies: int = 2,
         **extras: Any,
     ) -> None:
         bad = _RESERVED & extras.keys()
@@ -109,6 +112,8 @@ class State(Restorer, Reformable):
             raise ValueError(f"State extras cannot be named {sorted(bad)}: those are State's own attributes")
         if checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+        if copies < 1:
+            raise ValueError(f"copies must be >= 1 (1: no copies in other nodes' memory), got {copies}")
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1 (1: every commit), got {snapshot_every}")
         if checkpoint_every and checkpoint_dir is None:
@@ -126,6 +131,7 @@ class State(Restorer, Reformable):
         self._writes_shared = self._local_rank == 0
         self._every = checkpoint_every
         self._snapshot_every = snapshot_every
+        self._copies = copies
         self._ckpt = CheckpointDir(checkpoint_dir, keep) if checkpoint_dir is not None else None
         snap_dir, self._owns_snap_dir = _snapshot_dir(snapshot_dir)
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
@@ -152,6 +158,8 @@ class State(Restorer, Reformable):
         self.preempted = False
         #: What the last ``restore()`` returned on this rank (None: nothing restored yet, or a fresh start).
         self.last_restore: str | None = None
+        #: What the last restore moved from other nodes: ``{"via": "server" | "group", "bytes", "seconds"}``.
+        self.last_transfer: dict[str, Any] | None = None
         self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) if optimizer else None
         self._steplog = steplog.writer()  # when each step ran and was committed, for goodput
         if handle_signals:
@@ -174,6 +182,13 @@ class State(Restorer, Reformable):
     @property
     def extras(self) -> dict[str, Any]:
         return self._extras
+
+    @property
+    def restored_from(self) -> dict[int, str]:
+        """Sharded states, after a restore: old rank -> where this rank read that rank's shard from
+        (``memory``: its node's own file, ``replica``: its node's copy of another node's file,
+        ``peer`` / ``peer replica``: another node's, ``disk``)."""
+        return dict(self._sharded.sources) if self._sharded is not None else {}
 
     # -- what is saved ------------------------------------------------------------------------
     def _module(self) -> torch.nn.Module | None:
@@ -261,14 +276,15 @@ class State(Restorer, Reformable):
             self._sampler.advance()
         self.step += 1
         heartbeat()  # progress for the agent's hang and crash-loop detection
-        stop = edist.any_flag(self.preempted, self._flag_scratch)
+        copying = self._sharded is not None and self._sharded.copies.busy()
+        stop, copying = edist.any_flags((self.preempted, copying), self._flag_scratch)
         rng_state = rng.capture()
         self._mem.write_rng(self._rank, self.step, rng_state)
         if self._writes_shared and self.step % 100 == 0:
             self._mem.prune_rng(self.step - 2 * RNG_KEEP)
         durable = self._ckpt is not None and (stop or (self._every > 0 and self.step % self._every == 0))
         if self._sharded is not None:  # issue 24: every rank snapshots and persists its own shard
-            self._sharded.commit(durable, stop, self._async)
+            self._sharded.commit(durable, stop, self._async, copy_step=not copying)
         elif self._writes_shared and (durable or self.step % self._snapshot_every == 0):
             self._snapshot(durable and self._rank == 0, stop, self._async)
         if durable and self._rank != 0 and self._sharded is None:

@@ -63,6 +63,8 @@ def main() -> None:
     p.add_argument("--reform", action="store_true", help="run the training body with et.run (in-process re-forms)")
     p.add_argument("--hold-file", default=None, help="below --hold-world, wait (at most 120 s) while this file exists")
     p.add_argument("--hold-world", type=int, default=2)
+    p.add_argument("--pause-file", default=None, help="from step --pause-after, wait (120 s at most) while it exists")
+    p.add_argument("--pause-after", type=int, default=0)
     a = p.parse_args()
 
     out = Path(a.out)
@@ -142,6 +144,22 @@ def digest(net: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+_copied: dict[int, int] = {}
+
+
+def record_copies(out: Path, rank: int) -> None:
+    """Append this rank's newest copy to another node's memory, as its agent reported it, to
+    ``copied.r<rank>.jsonl`` (step, ok) when it changed."""
+    from elastrun.peer.replicas import PushStatus, status_path
+
+    status = PushStatus.read(status_path(Path(os.environ.get("ELASTRUN_SNAPSHOT_DIR", "/nonexistent")), "shard", rank))
+    if status is None or _copied.get(rank) == status.step:
+        return
+    _copied[rank] = status.step
+    with open(out / f"copied.r{rank}.jsonl", "a") as f:
+        f.write(json.dumps({"step": status.step, "ok": status.ok, "error": status.error}) + "\n")
+
+
 def truncate_newest_shard(rank: int) -> None:
     from elastrun.train.sharded import slots
 
@@ -170,7 +188,8 @@ def train(a, out: Path, net, model, opt, sampler, loader, state) -> bool | None:
     if model is None:
         model = DDP(net) if a.ddp else net
     restored = {"source": state.last_restore, "step": state.step, "world_size": world,
-                "epoch": sampler.epoch, "pid": os.getpid()}  # fmt: skip
+                "epoch": sampler.epoch, "pid": os.getpid(), "from": state.restored_from,
+                "transfer": state.last_transfer}  # fmt: skip
     if a.fsdp:
         restored["sha256"] = digest(net)
     (out / f"restore.r{rank}.a{attempt}.json").write_text(json.dumps(restored))
@@ -230,6 +249,7 @@ def train(a, out: Path, net, model, opt, sampler, loader, state) -> bool | None:
                     state.flush()
                     torch.distributed.barrier()
                 if a.fsdp:
+                    record_copies(out, rank)
                     sha = digest(net)
                     if rank == 0:
                         line = json.dumps({"attempt": attempt, "step": step, "world": world, "sha256": sha})
@@ -242,6 +262,12 @@ def train(a, out: Path, net, model, opt, sampler, loader, state) -> bool | None:
                     kill_self()
                 if a.sleep:
                     time.sleep(a.sleep)
+                if a.pause_file and step >= a.pause_after:  # the test acts on a paused job (the agents go on)
+                    deadline = time.monotonic() + 120
+                    while os.path.exists(a.pause_file) and time.monotonic() < deadline:
+                        if a.fsdp:
+                            record_copies(out, rank)
+                        time.sleep(0.05)
                 if a.stop_at_step and state.step >= a.stop_at_step:
                     state.close()
                     return None
