@@ -227,14 +227,16 @@ class Restorer:
         name, crc = holder.mem_ids[plan.step]
         began = time.perf_counter()
         try:
-            with snapclient.SnapshotClient(holder.server, snapclient.job_key()) as client:  # type: ignore[arg-type]
+            key = snapclient.job_key()
+            with snapclient.SnapshotClient(holder.server, key) as client:  # type: ignore[arg-type]
                 header = parse_meta(client.meta("", name), self._mem.run_id)
-                if header is None or header["step"] != plan.step:
-                    raise ValueError(f"{name} on {holder.server} is not step {plan.step} any more")
-                data = torch.empty(header["nbytes"], dtype=torch.uint8)
-                [error] = client.get([snapclient.Get("", name, crc, 0, header["nbytes"], snapclient.writable(data))])
-                if error is not None:
-                    raise ValueError(error)
+            if header is None or header["step"] != plan.step:
+                raise ValueError(f"{name} on {holder.server} is not step {plan.step} any more")
+            data = torch.empty(header["nbytes"], dtype=torch.uint8)
+            get = snapclient.Get("", name, crc, 0, header["nbytes"], snapclient.writable(data))
+            [error] = snapclient.fetch(holder.server, key, [get])  # type: ignore[arg-type]
+            if error is not None:
+                raise ValueError(error)
         except (OSError, ValueError) as e:
             notes.warn(f"step {plan.step} unreadable from rank {holder.rank}'s node ({holder.server}): {e}",
                        stacklevel=4)  # fmt: skip

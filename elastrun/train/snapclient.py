@@ -13,7 +13,8 @@ from __future__ import annotations
 import ctypes
 import os
 import socket
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,6 +23,11 @@ from elastrun.protocol import SNAPSHOT_KEY_ENV, SNAPSHOT_SERVER_ENV
 
 #: Requests sent ahead of the answers being read (each is a small message).
 WINDOW = 32
+#: Connections one :func:`fetch` opens to a server, and the largest range each request asks for:
+#: parallel streams spread the receiving side's work (copies out of the socket, first touches of
+#: fresh destination pages) over the cores; one stream leaves them on one.
+STREAMS = 4
+PIECE = 16 << 20
 CONNECT_TIMEOUT = 10.0
 IO_TIMEOUT = 120.0
 
@@ -118,3 +124,36 @@ class SnapshotClient:
             tail = wire.recv_msg(self.sock)
             errors.append(None if tail.get("ok") is True else f"{self.address}: {tail.get('error')}")
         return errors
+
+
+def fetch(address: str, key: bytes | None, gets: list[Get], streams: int = STREAMS) -> list[str | None]:
+    """Fill every ``get.into`` from the server at ``address`` over up to ``streams`` connections at
+    once (ranges cut into pieces of at most :data:`PIECE` bytes, dealt out in turn); for each get,
+    None or why it could not be had (a connection that fails fails the pieces it carried)."""
+    pieces: list[tuple[int, Get]] = []
+    for i, g in enumerate(gets):
+        for lo in range(0, g.nbytes, PIECE) if g.nbytes else [0]:
+            n = min(PIECE, g.nbytes - lo)
+            pieces.append((i, replace(g, offset=g.offset + lo, nbytes=n, into=g.into[lo : lo + n])))
+    lanes = [pieces[k :: max(1, streams)] for k in range(min(max(1, streams), len(pieces)))]
+    errors: list[str | None] = [None] * len(gets)
+
+    def run(lane: list[tuple[int, Get]]) -> None:
+        try:
+            with SnapshotClient(address, key) as client:
+                results = client.get([g for _, g in lane])
+        except OSError as e:  # PeerError too
+            results = [f"{address}: {e}"] * len(lane)
+        for (i, _), error in zip(lane, results, strict=True):
+            if error is not None and errors[i] is None:
+                errors[i] = error
+
+    if len(lanes) == 1:
+        run(lanes[0])
+    else:
+        threads = [threading.Thread(target=run, args=(lane,), daemon=True) for lane in lanes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return errors

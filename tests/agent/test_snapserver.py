@@ -154,3 +154,20 @@ def test_without_a_token_the_server_listens_on_its_own_address_only(servers):
         socket.create_connection(("127.0.0.2", port), timeout=5).close()
     with pytest.raises(wire.PeerError, match="runs without a job token"):
         SnapshotClient(a.address, KEY)
+
+
+def test_fetch_spreads_ranges_over_parallel_connections(servers, monkeypatch):
+    """A fetch cuts ranges into pieces over several connections; each get gets its own answer."""
+    from elastrun.train import snapclient
+
+    monkeypatch.setattr(snapclient, "PIECE", 1 << 20)
+    a = servers("a")
+    mem, slot, crc, data = publish(a.dir, 0, 1, 5 * (1 << 20) + 3)
+    into = torch.zeros(data.numel(), dtype=torch.uint8)
+    bad = torch.zeros(8, dtype=torch.uint8)
+    gets = [Get("", mem.name(slot), crc, 0, data.numel(), writable(into)),
+            Get("", mem.name(slot), crc ^ 1, 0, 8, writable(bad))]  # fmt: skip
+    errors = snapclient.fetch(a.address, KEY, gets, streams=3)
+    assert errors[0] is None and "not here any more" in errors[1]
+    assert torch.equal(into, data)
+    mem.close()

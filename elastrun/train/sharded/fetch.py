@@ -30,9 +30,8 @@ import torch
 import torch.distributed as dist
 
 from elastrun.peer.replicas import Sums, verify
-from elastrun.peer.wire import PeerError
 from elastrun.train import dist as edist
-from elastrun.train.snapclient import Get, SnapshotClient, writable
+from elastrun.train.snapclient import STREAMS, Get, fetch, writable
 
 
 @dataclass(frozen=True, order=True)
@@ -201,7 +200,8 @@ class ServerTransport(PeerTransport):
             if w.nbytes:
                 by_server.setdefault(self.servers[w.holder], []).append(w)
         errors: list[str] = []
-        threads = [threading.Thread(target=self._from, args=(addr, ws, errors), daemon=True)
+        streams = max(1, STREAMS // max(1, len(by_server)))
+        threads = [threading.Thread(target=self._from, args=(addr, ws, errors, streams), daemon=True)
                    for addr, ws in by_server.items()]  # fmt: skip
         for t in threads:
             t.start()
@@ -212,7 +212,7 @@ class ServerTransport(PeerTransport):
         if errors:
             raise FileNotFoundError(f"peer snapshot ranges unreadable during the restore: {errors[0]}")
 
-    def _from(self, address: str, wants: list[Want], errors: list[str]) -> None:
+    def _from(self, address: str, wants: list[Want], errors: list[str], streams: int) -> None:
         gets, landing = [], []
         for w in wants:
             where, name, crc = self.files[(w.holder, w.ref)]
@@ -221,11 +221,7 @@ class ServerTransport(PeerTransport):
                 into = torch.empty(w.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
                 landing.append((into, w.into))
             gets.append(Get(where, name, crc, w.offset, w.nbytes, writable(into)))
-        try:
-            with SnapshotClient(address, self.key) as client:
-                results = client.get(gets)
-        except (OSError, PeerError) as e:
-            results = [f"{address}: {e}"] * len(wants)
+        results = fetch(address, self.key, gets, streams)
         for w, error in zip(wants, results, strict=True):
             if error is not None:
                 self.failed.add((w.holder, w.ref))
