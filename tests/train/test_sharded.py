@@ -293,6 +293,56 @@ def test_fsdp_two_nodes_lost_at_once_fall_back_to_disk(work, procs):
     assert_exactly_once(out, samples, epochs)
 
 
+@pytest.mark.slow
+def test_hsdp_twins_on_another_node_stand_in_for_copies(work, procs):
+    """HSDP (2 replica groups × 2 shards) on 2 nodes × 2 workers: each rank's twin (the same
+    chunks, in the other replica group) is on the other node, so no copy is made; when a node is
+    lost the survivors restore every shard from their own node's memory (the lost ranks' chunks from
+    their twins' files), at the last step they committed."""
+    samples, epochs = 240, 1
+    out = work / "out"
+    out.mkdir()
+    hold, pause = work / "hold", work / "pause"
+    hold.touch()
+    pause.touch()
+    run_id = f"shard-test-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    args = ["--fsdp", "--hsdp", "--samples", str(samples), "--epochs", str(epochs), "--hold-file", str(hold),
+            "--hold-world", "4", "--pause-file", str(pause), "--pause-after", "6"]  # fmt: skip
+
+    def agent(name: str):
+        cmd = elastic_cmd(out, port, run_id, args)
+        cmd[cmd.index("--nproc-per-node=1")] = "--nproc-per-node=2"
+        return procs.start(cmd, work / f"{name}.log")
+
+    try:
+        a = agent("a")
+        wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
+        b = agent("b")
+        wait_for(lambda: any(v["world_size"] == 4 for v in restores(out).values()), 90, "world 4")
+        hold.unlink()
+        wait_for(lambda: max(digests(out), default=0) >= 6 if (out / "digest.jsonl").exists() else False, 60,
+                 "step 6")  # fmt: skip
+        before = max(digests(out))
+        os.killpg(b.pid, signal.SIGKILL)
+        b.wait(10)
+        pause.unlink()
+        assert a.wait(180) == 0, (work / "a.log").read_text()[-3000:]
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n" + "\n".join(p.read_text()[-1500:] for p in sorted(work.glob("*.log")))) from None
+    finally:
+        remove_snapshot_dirs(run_id)
+    got = restores(out)
+    logs = "\n".join(p.read_text()[-1500:] for p in sorted(work.glob("*.log")))
+    assert not list(out.glob("copied.r*.jsonl")), "a copy was made although the twins hold every chunk"
+    small = [v for v in got.values() if v["world_size"] == 2 and v["source"] is not None]
+    assert len(small) == 2 and {v["source"] for v in small} == {"memory"}, (got, logs)
+    assert {src for v in small for src in v["from"].values()} == {"memory"}, (got, logs)
+    assert {v["step"] for v in small} == {before}, (before, got, logs)
+    assert {v["sha256"] for v in small} <= digests(out)[before], "restored another state than the committed one"
+    assert_exactly_once(out, samples, epochs)
+
+
 def test_sharded_module_imports_nothing_heavy():
     """``import elastrun.train`` does not import DCP (only a sharded State does)."""
     code = "import sys, elastrun.train; print('torch.distributed.checkpoint' in sys.modules)"

@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--ddp", action="store_true", help="wrap in DDP (else all-reduce gradients by hand)")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) and use AdamW")
     p.add_argument("--cuda", action="store_true", help="with --fsdp: the model and batches on this rank's GPU")
+    p.add_argument("--hsdp", action="store_true", help="with --fsdp: HSDP, 2 replica groups (an even world size)")
     p.add_argument("--load-dcp", default=None, help="on a fresh start, load this DCP checkpoint (State.load_dcp)")
     p.add_argument("--truncate", default=None, help="ATTEMPT:RANK:STEP: truncate a shard snapshot before a crash")
     p.add_argument("--stop-at-step", type=int, default=0, help="exit cleanly once this step is committed")
@@ -98,7 +99,7 @@ def main() -> None:
         et.run(lambda st: train(a, out, net, None, opt, sampler, loader, st), state)
     else:
         info = et.init_distributed()
-        model = fsdp(net, a.cuda) if a.fsdp else DDP(net) if a.ddp else net
+        model = fsdp(net, a.cuda, a.hsdp) if a.fsdp else DDP(net) if a.ddp else net
         opt = torch.optim.AdamW(model.parameters(), lr=0.01) if a.fsdp else torch.optim.SGD(
             model.parameters(), lr=0.05, momentum=0.9)
         sampler = et.ElasticSampler(dataset, batch_size=a.batch, seed=7)
@@ -123,16 +124,23 @@ def build_net() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
 
 
-def fsdp(net: torch.nn.Module, cuda: bool = False) -> torch.nn.Module:
+def fsdp(net: torch.nn.Module, cuda: bool = False, hsdp: bool = False) -> torch.nn.Module:
+    """FSDP2 per layer; ``hsdp``: on a 2-D mesh (2 replica groups × world/2 shards) when the world
+    size is even, so rank r's twin (the same chunks) is rank r + world/2."""
     from torch.distributed.fsdp import fully_shard
 
     if cuda:
         net.to(torch.device("cuda", torch.cuda.current_device()))
+    mesh = None
+    world = torch.distributed.get_world_size()
+    if hsdp and world % 2 == 0:
+        from torch.distributed.device_mesh import init_device_mesh
 
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     for layer in net:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    return fully_shard(net)
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(net, mesh=mesh)
 
 
 def digest(net: torch.nn.Module) -> str:
