@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -154,3 +155,23 @@ def any_flags(flags: tuple[bool, ...], scratch: list[torch.Tensor]) -> tuple[boo
     t.copy_(torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return tuple(bool(v) for v in t.tolist())
+
+
+def forget_mesh_caches() -> None:
+    """Clear DTensor's caches of sharding decisions (issue 24): they are keyed by device mesh
+    *equality*, which does not look at which rank this process is.  After an in-process re-form to
+    a mesh of the same shape (3 -> 2 -> 3 ranks) a cached decision would hand back the earlier
+    group's mesh, with this process's earlier coordinate: chunks at another rank's offsets.  Called
+    at every re-form; does nothing when DTensor was never imported."""
+    api = sys.modules.get("torch.distributed.tensor._api")
+    if api is None:
+        return
+    prop = api.DTensor._op_dispatcher.sharding_propagator
+    for fn in (getattr(getattr(prop, "propagate_op_sharding", None), "cache", None),
+               getattr(prop, "_propagate_tensor_meta_cached", None)):  # fmt: skip
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    infos = getattr(redistribute, "_gen_transform_infos", None)
+    if hasattr(infos, "cache_clear"):
+        infos.cache_clear()

@@ -47,7 +47,7 @@ from elastrun.train.sampler import ElasticSampler
 from elastrun.train.snapshot import RNG_KEEP, MemorySnapshots
 
 _RESERVED = {"step", "commit", "restore", "checkpoint", "flush", "close", "extras", "preempted", "last_restore",
-             "live_step", "rebind", "restored_from", "last_transfer", "attach", "load_dcp"}
+             "live_step", "rebind", "restored_from", "last_transfer", "attach", "load_dcp", "copied_step"}
 
 
 def _world() -> tuple[int, int, int]:
@@ -189,6 +189,12 @@ class State(Restorer, Reformable):
         (``memory``: its node's own file, ``replica``: its node's copy of another node's file,
         ``peer`` / ``peer replica``: another node's, ``disk``)."""
         return dict(self._sharded.sources) if self._sharded is not None else {}
+
+    @property
+    def copied_step(self) -> int | None:
+        """Sharded states: the newest step of this rank whose copy into another node's memory
+        finished (a step is committed against the loss of a node once every rank's is), or None."""
+        return self._sharded.copies.done() if self._sharded is not None else None
 
     # -- what is saved ------------------------------------------------------------------------
     def _module(self) -> torch.nn.Module | None:

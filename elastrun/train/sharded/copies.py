@@ -27,7 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from elastrun.peer.replicas import PushRequest, push_path
+from elastrun.peer.replicas import PushRequest, PushStatus, push_path, status_path
 from elastrun.train.sharded.plan import ShardReport
 from elastrun.train.sharded.slots import ShardSlots
 
@@ -45,6 +45,7 @@ class Copies:
         self._rank = -1
         self._queued = False  # a copy step's snapshot is still being written: its request comes after
         self._held: list[int] = []
+        self._done: int | None = None
 
     def configure(self, reports: list[ShardReport], me: int, snapshot_dir: Path, my_twins: tuple[int, ...]) -> None:
         """After a restore (every rank's report): copy to the next ``count - 1`` nodes in the order of
@@ -58,6 +59,8 @@ class Copies:
         mine = node_of[me]
         wanted = min(self.count, len(order)) - 1
         twin_nodes = {node_of[t] for t in my_twins if t in node_of and node_of[t] != mine}
+        if (self._dir, self._rank) != (Path(snapshot_dir), me):
+            self._done = None
         self._dir, self._rank = Path(snapshot_dir), me
         self._queued, self._held = False, []
         if wanted <= 0 or len(twin_nodes) >= wanted:
@@ -66,6 +69,16 @@ class Copies:
         i = order.index(mine)
         servers = [first[order[(i + j) % len(order)]][1] for j in range(1, wanted + 1)]
         self.targets = [s for s in servers if s] if all(servers) else []
+
+    def done(self) -> int | None:
+        """The newest step of this rank whose copy into other nodes' memory finished (as far as this
+        rank has seen its agent report it), or None."""
+        if self._dir is None:
+            return None
+        status = PushStatus.read(status_path(self._dir, "shard", self._rank))
+        if status is not None and status.ok and (self._done is None or status.step > self._done):
+            self._done = status.step
+        return self._done
 
     def busy(self) -> bool:
         """Whether this rank's last copy is not finished (its request not yet written or still there)."""
