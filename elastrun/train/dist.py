@@ -160,18 +160,26 @@ def any_flags(flags: tuple[bool, ...], scratch: list[torch.Tensor]) -> tuple[boo
 def forget_mesh_caches() -> None:
     """Clear DTensor's caches of sharding decisions (issue 24): they are keyed by device mesh
     *equality*, which does not look at which rank this process is.  After an in-process re-form to
-    a mesh of the same shape (3 -> 2 -> 3 ranks) a cached decision would hand back the earlier
-    group's mesh, with this process's earlier coordinate: chunks at another rank's offsets.  Called
-    at every re-form; does nothing when DTensor was never imported."""
-    api = sys.modules.get("torch.distributed.tensor._api")
-    if api is None:
+    a mesh of the same shape with this process at another rank (3 -> 2 -> 3 ranks, or two ranks
+    swapped), a cached decision would hand back the earlier group's mesh, with this process's earlier
+    coordinate: a new model's DTensors would describe another rank's chunks.  Both the Python and
+    the C++ fast-path caches are cleared (``torch.distributed.tensor.debug``), and the redistribute
+    planners.  Called at every re-form; does nothing when DTensor was never imported."""
+    if sys.modules.get("torch.distributed.tensor._api") is None:
         return
-    prop = api.DTensor._op_dispatcher.sharding_propagator
-    for fn in (getattr(getattr(prop, "propagate_op_sharding", None), "cache", None),
-               getattr(prop, "_propagate_tensor_meta_cached", None)):  # fmt: skip
-        if hasattr(fn, "cache_clear"):
-            fn.cache_clear()
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # older torch: the Python cache only (it had no C++ fast path)
+        from torch.distributed.tensor._api import DTensor
+
+        prop = DTensor._op_dispatcher.sharding_propagator
+        _clear_sharding_prop_cache = getattr(getattr(prop, "propagate_op_sharding", None), "cache_clear", None)
+        if _clear_sharding_prop_cache is None:
+            return
+    _clear_sharding_prop_cache()
     redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
-    infos = getattr(redistribute, "_gen_transform_infos", None)
-    if hasattr(infos, "cache_clear"):
-        infos.cache_clear()
+    for name in ("clear_redistribute_planner_cache", "_gen_transform_infos"):
+        fn = getattr(redistribute, name, None)
+        clear = getattr(fn, "cache_clear", fn if name.startswith("clear") else None)
+        if callable(clear):
+            clear()

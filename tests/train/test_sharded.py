@@ -343,6 +343,53 @@ def test_hsdp_twins_on_another_node_stand_in_for_copies(work, procs):
     assert_exactly_once(out, samples, epochs)
 
 
+SWAP = """
+import json, sys
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from elastrun.train.dist import forget_mesh_caches
+
+def build():
+    with torch.device("meta"):
+        net = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 3))  # 5 and 3 rows: uneven shards
+    for layer in net:
+        fully_shard(layer)
+    fully_shard(net)
+    net.to_empty(device="cpu")
+    return net
+
+rank, d = int(sys.argv[1]), sys.argv[2]
+for store, me in (("first", rank), ("second", 1 - rank)):  # the second group swaps the ranks
+    dist.init_process_group("gloo", store=dist.FileStore(f"{d}/{store}", 2), rank=me, world_size=2)
+    net = build()
+    torch.optim.AdamW(net.parameters()).step()
+    wrong = [n for n, p in net.named_parameters()
+             if tuple(p.__create_chunk_list__()[0].sizes) != tuple(p.to_local().shape)]
+    dist.destroy_process_group()
+    forget_mesh_caches()  # what et.run does when a process leaves its group
+print(json.dumps(wrong))
+"""
+
+
+def test_a_reform_that_swaps_ranks_describes_this_ranks_chunks(work):
+    """DTensor caches sharding decisions by mesh equality, blind to which rank a process is: two
+    real gloo processes that swap ranks between two groups of the same shape (what an in-process
+    re-form 3 -> 2 -> 3 can do) describe their own new chunks only because the caches are cleared
+    when a group is left (``dist.forget_mesh_caches``)."""
+    procs = [subprocess.Popen([sys.executable, "-c", SWAP, str(r), str(work)], env=env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (stdout, stderr) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, stderr[-3000:]
+        assert json.loads(stdout.strip().splitlines()[-1]) == [], "a parameter describes another rank's chunk"
+
+
 def test_sharded_module_imports_nothing_heavy():
     """``import elastrun.train`` does not import DCP (only a sharded State does)."""
     code = "import sys, elastrun.train; print('torch.distributed.checkpoint' in sys.modules)"
