@@ -19,7 +19,10 @@ Figures, each from the fault until every rank of the new group has committed a s
   detection: it waits for ever, so it is not run);
 - steady state: the step time with and without ``et.run`` (``--standalone``, 2 workers).
 
-Usage: ``python bench/bench_reform.py [--repeat 1] [--only crash,loss,join,hang,steady] [--size 100]``.
+``--fsdp``: the same figures for an FSDP2 model (``bench/reform_workload.py``, ``FSDP=1``), whose
+lost shards come from peer replicas under elastrun and from the DCP checkpoint under torchrun.
+
+Usage: ``python bench/bench_reform.py [--repeat 1] [--only crash,loss,join,hang,steady] [--size 100] [--fsdp]``.
 Prints a table.
 """
 
@@ -63,8 +66,14 @@ class RunTrial(Trial):
             shutil.rmtree(path, ignore_errors=True)
 
 
+FSDP = False
+
+
 def trial(name: str, way: str, **env: str) -> Trial:
-    return RunTrial(name, env={"MODE": "reform" if way == "elastrun+run" else "restart", "SIZE_M": SIZE_M, **env})
+    t = RunTrial(name, env={"MODE": "reform" if way == "elastrun+run" else "restart", "SIZE_M": SIZE_M, **env})
+    if FSDP:  # issue 24: the FSDP2 model, a DCP checkpoint every 5 steps (what torchrun's survivors reload)
+        t.env.update(FSDP="1", CKPT=str(t.dir / "ckpt"))
+    return t
 
 
 def multi_node(port: int, nnodes: str, host: bool) -> list[str]:
@@ -117,7 +126,8 @@ def loss(way: str) -> dict:
         t.start(argv(way, multi_node(port, "1:2", True), logs))
         time.sleep(0.5)
         b = t.start(argv(way, multi_node(port, "1:2", False), t.dir / "logs1"))
-        if not wait_for(lambda: t.all_ranks_stepped(2, min_step=4), 240):
+        # FSDP: after the first checkpoint (step 5) is written, so torchrun's survivor has one to reload
+        if not wait_for(lambda: t.all_ranks_stepped(2, min_step=8 if FSDP else 4), 240):
             log(f"loss {way}: never formed\n{t.output()[-2000:]}")
             return {}
         killed = time.time()
@@ -202,9 +212,10 @@ def main() -> None:
     ap.add_argument("--only", default="crash,loss,join,hang,steady")
     ap.add_argument("--ways", default=",".join(WAYS))
     ap.add_argument("--size", default="100", help="model size in millions of parameters")
+    ap.add_argument("--fsdp", action="store_true", help="the FSDP2 model (issue 24) instead of DDP")
     a = ap.parse_args()
-    global SIZE_M
-    SIZE_M = a.size
+    global SIZE_M, FSDP
+    SIZE_M, FSDP = a.size, a.fsdp
     only = set(a.only.split(","))
     ways = a.ways.split(",")
     results: dict[str, dict[str, list[dict]]] = {}

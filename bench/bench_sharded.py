@@ -13,7 +13,19 @@ each rank a process of its own with its own snapshot directory (as on two nodes)
   memory: manifest check, then DCP's reader), and plain ``dcp.load`` of that checkpoint at 3 ranks.
   The checkpoint was just written: its files are in the page cache (a warm disk).
 
-Usage: ``python bench/bench_sharded.py [--million 100] [--rounds 3]``.  Prints a table.
+With ``--peer`` (issue 24, wave 2), each "node" also gets what its agent runs under elastrun: a
+snapshot server and a replicator (here in the benchmark's own process, one of each per node
+directory), and the figures add:
+
+* ``commit()`` with the peer copy on (``copies=2``: each rank's committed shard is copied into the
+  other node's memory in the background) beside the same job without it, and the node memory
+  that takes (own slots and replicas);
+* the 2 → 3 restore through the snapshot servers, and the peer transfer rate it reached;
+* one rank reading a whole shard file from a server over loopback (the raw transfer rate);
+* a DDP joiner's restore (a 100M plain model, 1 → 2: the new rank's node is empty), over the
+  process group (gloo broadcast, what restores did before) and through the snapshot server.
+
+Usage: ``python bench/bench_sharded.py [--million 100] [--rounds 3] [--peer]``.  Prints a table.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import elastrun.train as et  # noqa: E402
+from elastrun.train.snapclient import STREAMS  # noqa: E402
 
 BATCH = 32
 
@@ -64,7 +77,9 @@ def worker_commit(a: argparse.Namespace) -> dict:
     model = make_model(a.million)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     x = torch.randn(BATCH, model[0].in_features)
-    state = et.State(model=model, optimizer=opt, checkpoint_dir=a.ckpt, snapshot_dir=a.snap, handle_signals=False)
+    state = et.State(model=model, optimizer=opt, checkpoint_dir=a.ckpt, snapshot_dir=a.snap, handle_signals=False,
+                     copies=a.copies)  # fmt: skip
+    state.restore()  # a fresh start; it also finds the other nodes' snapshot servers (the copies' targets)
     for _ in range(5):  # AdamW's state exists after the first step; the first copies allocate the slots' pages
         step(model, opt, x)
         state.commit()
@@ -89,11 +104,39 @@ def worker_commit(a: argparse.Namespace) -> dict:
         plain_s, commit_s = plain_s + plain, commit_s + with_commit
         ratios.append(with_commit / plain - 1)
     state.checkpoint()
+    state.flush()
+    if a.copies > 1:  # the last copy lands (the agents' work, not the step's)
+        deadline = time.monotonic() + 120
+        while state._sharded.copies.busy() and time.monotonic() < deadline:
+            time.sleep(0.05)
     nbytes = sum(p.stat().st_size for p in Path(a.snap).glob(f"shard.r{dist.get_rank()}.*.data"))
+    replicas = sum(p.stat().st_size for p in Path(a.snap).glob("replicas/*/*.data"))
     state.close()
     n = 4 * a.rounds
     return {"step": plain_s / n, "step_commit": commit_s / n, "call": call_s / n,
-            "overhead": statistics.median(ratios), "shm_bytes": nbytes}  # fmt: skip
+            "overhead": statistics.median(ratios), "shm_bytes": nbytes, "replica_bytes": replicas}  # fmt: skip
+
+
+def worker_ddp(a: argparse.Namespace) -> dict:
+    """A plain (DDP-shaped) 100M model: ``--mode commit`` saves it at 1 rank; ``--mode restore``
+    restores it at 2 ranks, the second rank's node empty (a joiner)."""
+    torch.manual_seed(0)
+    width = 4096
+    layers = max(2, round(a.million * 1e6 / width**2))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    state = et.State(model=model, optimizer=opt, snapshot_dir=a.snap, handle_signals=False)
+    if a.mode == "commit":
+        state.commit()
+        state.flush()
+        state.close()
+        return {}
+    dist.barrier()
+    t = time.perf_counter()
+    source = state.restore()
+    elapsed = time.perf_counter() - t
+    state.close()
+    return {"source": source, "seconds": elapsed, "transfer": state.last_transfer}
 
 
 def worker_restore(a: argparse.Namespace) -> dict:
@@ -115,19 +158,70 @@ def worker_restore(a: argparse.Namespace) -> dict:
     source = state.restore()
     elapsed = time.perf_counter() - t
     state.close()
-    return {"source": source, "seconds": elapsed}
+    return {"source": source, "seconds": elapsed, "transfer": state.last_transfer}
 
 
-def run_job(a: argparse.Namespace, role: str, snaps: list[Path], extra: list[str]) -> list[dict]:
+class Nodes:
+    """What each node's agent runs under elastrun, for the benchmark's "nodes" (directories): a
+    snapshot server and a replicator each, in this process."""
+
+    def __init__(self, dirs: list[Path]) -> None:
+        from elastrun.agent.replicator import Replicator
+        from elastrun.agent.snapserver import SnapshotServer
+
+        self.servers, self.replicators = [], []
+        for i, d in enumerate(dirs):
+            d.mkdir(parents=True, exist_ok=True)
+            server = SnapshotServer(d, None, ("127.0.0.1", 0), "127.0.0.1")
+            server.start()
+            rep = Replicator(d, None, f"node{i}", warn=lambda m: print(f"warning: {m}", file=sys.stderr))
+            rep.start()
+            self.servers.append(server)
+            self.replicators.append(rep)
+
+    def env(self, i: int) -> dict[str, str]:
+        return {"ELASTRUN_SNAPSHOT_SERVER": self.servers[i].address}
+
+    def close(self) -> None:
+        for rep in self.replicators:
+            rep.close()
+        for server in self.servers:
+            server.close()
+
+
+def raw_rate(directory: Path, server: str) -> tuple[int, float]:
+    """One client reads the whole of the newest shard file under ``directory`` from ``server``."""
+    from elastrun.train.sharded import slots
+    from elastrun.train.snapclient import Get, fetch, writable
+
+    f = max(slots.scan(directory, "bench-sharded"), key=lambda f: f.step)
+    nbytes = f.header["nbytes"]
+    into = torch.empty(nbytes, dtype=torch.uint8)  # fresh pages, as a restore's new tensors
+    t = time.perf_counter()
+    errors = fetch(server, None, [Get("", f.name, f.meta_crc, 0, nbytes, writable(into))])
+    elapsed = time.perf_counter() - t
+    assert errors == [None], errors
+    return nbytes, elapsed
+
+
+def rate(transfer: dict | None) -> str:
+    if not transfer or not transfer.get("seconds"):
+        return "-"
+    return f"{transfer['bytes'] / 2**20:.0f} MiB at {transfer['bytes'] / transfer['seconds'] / 1e9:.2f} GB/s"
+
+
+def run_job(a: argparse.Namespace, role: str, snaps: list[Path], extra: list[str],
+            envs: list[dict[str, str]] | None = None) -> list[dict]:  # fmt: skip
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
     for rank, snap in enumerate(snaps):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(len(snaps)), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="bench-sharded", OMP_NUM_THREADS="1")  # fmt: skip
+                   MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="bench-sharded", OMP_NUM_THREADS="1",
+                   **(envs[rank] if envs else {}))  # fmt: skip
         cmd = [sys.executable, __file__, "--worker", role, "--snap", str(snap), "--million", str(a.million),
-               "--rounds", str(a.rounds), *extra]  # fmt: skip
+               "--rounds", str(a.rounds), "--copies", str(a.copies), *extra]  # fmt: skip
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
     try:
         outs = [p.communicate(timeout=900)[0] for p in procs]
@@ -150,10 +244,13 @@ def main() -> None:
     p.add_argument("--ckpt", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mode", default=None, help=argparse.SUPPRESS)
     p.add_argument("--step-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--copies", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--peer", action="store_true", help="also the peer copy, the snapshot servers, DDP joiners")
     a = p.parse_args()
     if a.worker:
         et.init_distributed()
-        out = worker_commit(a) if a.worker == "commit" else worker_restore(a)
+        workers = {"commit": worker_commit, "restore": worker_restore, "ddp": worker_ddp}
+        out = workers[a.worker](a)
         print(json.dumps(out), flush=True)
         dist.destroy_process_group()
         return
@@ -163,14 +260,25 @@ def main() -> None:
     try:
         print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
         ckpt = ["--ckpt", str(disk)]
-        r = run_job(a, "commit", node[:2], ckpt)
         print(f"\n{a.million}M parameters, FSDP2 at 2 ranks (gloo), AdamW; batch {BATCH}")
-        print("| step | step + commit() | commit() call | overhead (median of rounds) | node memory per rank |")
-        print("|---|---|---|---|---|")
-        for rank, x in enumerate(r):
-            print(f"| {x['step'] * 1e3:.0f} ms | {x['step_commit'] * 1e3:.0f} ms | {x['call'] * 1e3:.1f} ms | "
-                  f"{x['overhead'] * 100:+.1f} % | {x['shm_bytes'] / 2**30:.2f} GiB (rank {rank}) |")  # fmt: skip
-        plain = ["--mode", "plain-dcp", "--step-dir", str(max(disk.glob("step-*")))]
+        print("| copies | step | step + commit() | commit() call | overhead (median of rounds) | node memory per rank "
+              "(own slots + replicas) |\n|---|---|---|---|---|---|")  # fmt: skip
+        nodes = None
+        for copies in (1, 2) if a.peer else (1,):
+            a.copies = copies
+            if copies > 1:
+                for d in node[:2]:
+                    shutil.rmtree(d, ignore_errors=True)
+                nodes = Nodes(node[:3])
+            where = ckpt if copies == 1 else ["--ckpt", str(disk / "with-copies")]  # a fresh start, as the first
+            r = run_job(a, "commit", node[:2], where, [nodes.env(i) for i in range(2)] if nodes else None)
+            for rank, x in enumerate(r):
+                print(f"| {copies} | {x['step'] * 1e3:.0f} ms | {x['step_commit'] * 1e3:.0f} ms | "
+                      f"{x['call'] * 1e3:.1f} ms | {x['overhead'] * 100:+.1f} % | "
+                      f"{(x['shm_bytes'] + x['replica_bytes']) / 2**30:.2f} GiB = {x['shm_bytes'] / 2**30:.2f} + "
+                      f"{x['replica_bytes'] / 2**30:.2f} (rank {rank}) |", flush=True)  # fmt: skip
+        a.copies = 1
+        plain = ["--mode", "plain-dcp", "--step-dir", str(max(disk.glob("step-*")))]  # the first job's
         print("\n| restore of the committed step | source (per rank) | time (slowest rank) |\n|---|---|---|")
         for what, snaps, extra in (
             ("2 → 2, node memory", node[:2], []),
@@ -181,6 +289,29 @@ def main() -> None:
             res = run_job(a, "restore", snaps, extra)
             print(f"| {what} | {', '.join(str(x['source']) for x in res)} | {max(x['seconds'] for x in res):.2f} s |",
                   flush=True)  # fmt: skip
+        if nodes is not None:
+            res = run_job(a, "restore", node[:3], [], [nodes.env(i) for i in range(3)])
+            print(f"| 2 → 3, node memory, through the snapshot servers | {', '.join(str(x['source']) for x in res)} "
+                  f"| {max(x['seconds'] for x in res):.2f} s (peer ranges: "
+                  f"{'; '.join(rate(x['transfer']) for x in res)}) |", flush=True)  # fmt: skip
+            nbytes, took = raw_rate(node[0], nodes.servers[0].address)
+            print(f"\nraw transfer: one rank read a {nbytes / 2**20:.0f} MiB shard file from a snapshot server "
+                  f"over loopback (snapclient.fetch, {STREAMS} connections) in {took:.3f} s: "
+                  f"{nbytes / took / 1e9:.2f} GB/s", flush=True)  # fmt: skip
+            ddp = [shm / f"ddp{i}" for i in range(2)]
+            run_job(a, "ddp", ddp[:1], ["--mode", "commit"])
+            print("\n| DDP joiner restore (plain 100M model, SGD), 1 → 2 | source | time (slowest rank) | moved |"
+                  "\n|---|---|---|---|")  # fmt: skip
+            ddp_nodes = Nodes(ddp)
+            try:
+                for what, envs in (("over the process group (gloo broadcast, before)", None),
+                                   ("through the snapshot server (after)", [ddp_nodes.env(i) for i in range(2)])):
+                    res = run_job(a, "ddp", ddp, ["--mode", "restore"], envs)
+                    print(f"| {what} | {', '.join(str(x['source']) for x in res)} | "
+                          f"{max(x['seconds'] for x in res):.2f} s | {rate(res[1]['transfer'])} |", flush=True)
+            finally:
+                ddp_nodes.close()
+            nodes.close()
         print(f"\nload average after: {os.getloadavg()[0]:.1f}")
     finally:
         shutil.rmtree(shm, ignore_errors=True)

@@ -7,6 +7,10 @@ launcher restarts.  One JSON line per event in ``$BENCH_LOG/<pid>.jsonl``, as ``
 committed step (``t0`` its start, ``tc`` the commit's call, ``t`` its return).  Environment: SIZE_M (model size
 in millions, 100), BATCH (8), STEPS (100000), CRASH_AT_STEP/CRASH_RANK/CRASH_ONCE_FILE (exit 1
 there, once: the file's mtime is the crash).
+
+``FSDP=1`` (issue 24): the model is ``bench_sharded.make_model`` (FSDP2, ``fully_shard`` per layer)
+with AdamW and a durable DCP checkpoint every 5 steps in ``CKPT``; under ``MODE=reform`` it is built
+and sharded inside the training body and handed over with ``state.attach`` (the et.run shape).
 """
 
 import json
@@ -31,7 +35,10 @@ def main() -> None:
     def emit(event: str, **fields) -> None:
         log.write(json.dumps({"ev": event, "t": time.time(), **fields}) + "\n")
 
-    net = make_model(int(os.environ.get("SIZE_M", "100")))
+    size = int(os.environ.get("SIZE_M", "100"))
+    if os.environ.get("FSDP") == "1":
+        return sharded(size, emit)
+    net = make_model(size)
     width = net[0].in_features
     opt = torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)
     steps = int(os.environ.get("STEPS", "100000"))
@@ -67,6 +74,52 @@ def main() -> None:
         et.init_distributed()
         state.restore()
         train(state)
+
+
+def sharded(size: int, emit) -> None:
+    from bench.bench_sharded import make_model as make_sharded
+
+    steps = int(os.environ.get("STEPS", "100000"))
+    batch = int(os.environ.get("BATCH", "8"))
+    reform = os.environ.get("MODE", "reform") == "reform"
+
+    def build():
+        model = make_sharded(size)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+    def loop(state: et.State, model) -> None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        emit("restored", rank=rank, world=world, source=state.last_restore, step=state.step)
+        g = torch.Generator().manual_seed(rank)
+        while state.step < steps:
+            began = time.time()
+            x = torch.randn(batch, model[0].in_features, generator=g)
+            model(x).pow(2).mean().backward()
+            state._optimizer.step()
+            state._optimizer.zero_grad()
+            committing = time.time()
+            state.commit()
+            emit("step", n=state.step, rank=rank, world=world, gen=int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
+                 t0=began, tc=committing)
+
+    ckpt = {"checkpoint_dir": os.environ["CKPT"], "checkpoint_every": 5}
+    if "ELASTRUN_SNAPSHOT_DIR" not in os.environ:  # torchrun: one memory per "node" (its agent), not one per machine
+        ckpt["snapshot_dir"] = f"/dev/shm/elastrun-snap-bench-node-{os.getppid()}"
+    if reform:
+        state = et.State(**ckpt)
+
+        def train(state: et.State) -> None:
+            model, opt = build()
+            state.attach(model, opt)
+            loop(state, model)
+
+        et.run(train, state)
+    else:
+        et.init_distributed()
+        model, opt = build()
+        state = et.State(model=model, optimizer=opt, **ckpt)
+        state.restore()
+        loop(state, model)
 
 
 if __name__ == "__main__":

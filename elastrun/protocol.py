@@ -30,6 +30,12 @@ SOCKET_ENV = "ELASTRUN_CONTROL_SOCKET"
 WAIT_ENV = "ELASTRUN_REFORM_WAIT"
 #: The node-local memory directory of ``elastrun.train``'s snapshots.
 SNAPSHOT_DIR_ENV = "ELASTRUN_SNAPSHOT_DIR"
+#: ``host:port`` of the agent's snapshot server (``elastrun/agent/snapserver.py``), which serves that
+#: directory to other nodes and keeps their replicas.
+SNAPSHOT_SERVER_ENV = "ELASTRUN_SNAPSHOT_SERVER"
+#: With a job token: the file (mode 0600) holding the job's snapshot key, which the server and its
+#: clients prove they hold (``elastrun/peer/wire.py``).
+SNAPSHOT_KEY_ENV = "ELASTRUN_SNAPSHOT_KEY_FILE"
 
 #: The package's parent directory: the exec'd bootstrap imports this very copy of elastrun.
 _ROOT = str(Path(__file__).resolve().parents[1])

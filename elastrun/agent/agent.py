@@ -20,7 +20,8 @@ worker), and with the received signal plus a grace period when the agent itself 
 This module keeps the loop, the rendezvous calls and the signals.  Its rooms:
 :class:`~elastrun.agent.group.WorkerGroup` (the local workers of a round),
 :class:`~elastrun.agent.reform.ReformSession` (in-process re-forms),
-:class:`~elastrun.agent.runtime.NodeRuntime` (directories and services on the node),
+:class:`~elastrun.agent.runtime.NodeRuntime` (directories and services on the node; among them
+:class:`~elastrun.agent.snapserver.SnapshotService`, the snapshot server and replicator),
 :class:`~elastrun.agent.launches.LaunchBuilder` (what each worker is started with) and
 :class:`~elastrun.agent.report.AgentReport` (events and console lines).
 """
@@ -41,6 +42,7 @@ from elastrun.agent.launches import LaunchBuilder
 from elastrun.agent.reform import ReformSession
 from elastrun.agent.report import AgentReport
 from elastrun.agent.runtime import NodeRuntime
+from elastrun.agent.snapserver import SnapshotService
 from elastrun.config import FORWARDED_SIGNALS, LaunchConfig
 from elastrun.rendezvous.api import (
     FailureRecord,
@@ -54,6 +56,7 @@ from elastrun.rendezvous.api import (
     RoundChange,
     RoundResult,
 )
+from elastrun.rendezvous.auth import load_token
 from elastrun.workers.api import WorkerStarter
 from elastrun.workers.control import ControlServer
 
@@ -111,6 +114,10 @@ class LocalAgent:
         self.runtime = NodeRuntime(self.node_id, Path(config.log_dir) if config.log_dir else None)
         channel = ControlServer(self.runtime.socket_path("control.sock")) if config.reform_timeout > 0 else None
         self.session = self.runtime.add(ReformSession(channel, config.reform_timeout))
+        self.snapshots = self.runtime.add(SnapshotService(
+            self.runtime, self._own_addr(), load_token(config.rdzv_configs.get("token_file")), config.run_id,
+            self.node_id, self.report.console.warn))  # fmt: skip
+        self.report.snapshot_server(self.snapshots.address, self.snapshots.key is not None)
         self.launches = LaunchBuilder(config, base_env if base_env is not None else os.environ, self.node_id,
                                       self.runtime)
         self.group = WorkerGroup(config, starter, self.session, self.report, self.node_id, self.hostname,
@@ -173,11 +180,14 @@ class LocalAgent:
             self.report.detail(f"could not leave the rendezvous cleanly: {exc}")
 
     # ------------------------------------------------------------------ the loop
+    def _own_addr(self) -> str:
+        """The address other nodes reach this agent by."""
+        return getattr(self.handler, "local_addr", None) or self.config.local_addr or self.hostname
+
     def _node_info(self) -> NodeInfo:
-        addr = getattr(self.handler, "local_addr", None) or self.config.local_addr or self.hostname
         return NodeInfo(
             node_id=self.node_id,
-            addr=addr,
+            addr=self._own_addr(),
             nproc=self.config.nproc_per_node,
             role=self.config.role,
             hostname=self.hostname,

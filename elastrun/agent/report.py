@@ -52,6 +52,13 @@ class AgentReport:
         if goodput:
             self.console.info(goodput)
 
+    def snapshot_server(self, address: str | None, auth: bool) -> None:
+        """The node's snapshot server listens (None: it could not start, and said why)."""
+        if address is None:
+            return
+        self.events.emit("snapshot_server", address=address, auth=auth)
+        self.console.debug(f"snapshot server on {address} ({'job token required' if auth else 'no job token'})")
+
     def close(self) -> None:
         self.events.close()
 

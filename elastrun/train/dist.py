@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -141,11 +142,44 @@ def broadcast_bytes(buffer: torch.Tensor, src: int, chunk: int = 64 << 20) -> No
 
 def any_flag(flag: bool, scratch: list[torch.Tensor]) -> bool:
     """True on every rank when ``flag`` is true on any rank (one tiny all-reduce)."""
+    return any_flags((flag,), scratch)[0]
+
+
+def any_flags(flags: tuple[bool, ...], scratch: list[torch.Tensor]) -> tuple[bool, ...]:
+    """Each flag OR-ed over every rank, in one tiny all-reduce (every rank passes as many)."""
     if not active():
-        return flag
-    if not scratch:
-        scratch.append(torch.zeros(1, dtype=torch.int32, device=comm_device()))
+        return flags
+    if not scratch or scratch[0].numel() != len(flags):
+        scratch[:] = [torch.zeros(len(flags), dtype=torch.int32, device=comm_device())]
     t = scratch[0]
-    t.fill_(1 if flag else 0)
+    t.copy_(torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return tuple(bool(v) for v in t.tolist())
+
+
+def forget_mesh_caches() -> None:
+    """Clear DTensor's caches of sharding decisions (issue 24): they are keyed by device mesh
+    *equality*, which does not look at which rank this process is.  After an in-process re-form to
+    a mesh of the same shape with this process at another rank (3 -> 2 -> 3 ranks, or two ranks
+    swapped), a cached decision would hand back the earlier group's mesh, with this process's earlier
+    coordinate: a new model's DTensors would describe another rank's chunks.  Both the Python and
+    the C++ fast-path caches are cleared (``torch.distributed.tensor.debug``), and the redistribute
+    planners.  Called at every re-form; does nothing when DTensor was never imported."""
+    if sys.modules.get("torch.distributed.tensor._api") is None:
+        return
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # older torch: the Python cache only (it had no C++ fast path)
+        from torch.distributed.tensor._api import DTensor
+
+        prop = DTensor._op_dispatcher.sharding_propagator
+        _clear_sharding_prop_cache = getattr(getattr(prop, "propagate_op_sharding", None), "cache_clear", None)
+        if _clear_sharding_prop_cache is None:
+            return
+    _clear_sharding_prop_cache()
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    for name in ("clear_redistribute_planner_cache", "_gen_transform_infos"):
+        fn = getattr(redistribute, name, None)
+        clear = getattr(fn, "cache_clear", fn if name.startswith("clear") else None)
+        if callable(clear):
+            clear()

@@ -14,7 +14,8 @@ Rules, in order:
    keeps a crashed run bit-for-bit equal to an uninterrupted one.  Otherwise (a node was lost with
    its memory, or the world grew) the missing RNG states are derived from ``(step, rank)``.
 3. The source is ``memory`` when every rank's node holds that step, ``peer`` when only some do
-   (the lowest such rank broadcasts it), else ``disk`` (the lowest rank that sees the checkpoint
+   (the others read it from the snapshot server of a node that has it, or, without snapshot
+   servers, the lowest such rank broadcasts it), else ``disk`` (the lowest rank that sees the checkpoint
    reads and verifies it, then broadcasts it, so a checkpoint is read once, not once per rank).
 
 After an in-process re-form (``elastrun.train.run``) a surviving rank also reports the step its
@@ -39,6 +40,8 @@ class Report:
     disk: dict[int, int] = field(default_factory=dict)  # step -> world size
     disk_rng: dict[int, list[int]] = field(default_factory=dict)  # step -> ranks with an RNG file
     live: dict[int, int] = field(default_factory=dict)  # step -> world size, held by this process's objects
+    server: str | None = None  # this node's snapshot server (``host:port``), if any
+    mem_ids: dict[int, tuple[str, int]] = field(default_factory=dict)  # step -> (slot name, meta CRC) there
 
 
 @dataclass

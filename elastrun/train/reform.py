@@ -44,7 +44,7 @@ from elastrun.inworker import heartbeat, pg_guard
 from elastrun.inworker.control import ControlClient
 from elastrun.protocol import WAIT_ENV, Assign, Failed, Pause, Paused, Reformed, ToAgent, ToWorker
 from elastrun.train import notes
-from elastrun.train.dist import DistInfo, init_distributed
+from elastrun.train.dist import DistInfo, forget_mesh_caches, init_distributed
 from elastrun.train.reformable import Reformable
 
 if TYPE_CHECKING:
@@ -306,6 +306,7 @@ def _leave_group(link: Link) -> None:
         except Exception as exc:  # a broken group: forgetting it is all that matters
             notes.warn(f"destroying the old process group failed: {exc}")
     pg_guard.release_oldest(KEEP_GROUPS)
+    forget_mesh_caches()  # issue 24: DTensor's caches hold the old group's meshes
     gc.collect()  # the old DistributedDataParallel (its reducer's autograd hooks) goes now
 
 

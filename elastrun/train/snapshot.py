@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
+from elastrun.peer.replicas import META_MAGIC, meta_crc
 from elastrun.train.fileio import atomic_write
 
 SLOTS = 4
-_META_MAGIC = b"ELSNAP01"
 RNG_KEEP = 8
 
 
@@ -45,6 +45,15 @@ class SlotInfo:
     step: int
     world_size: int
     header: dict[str, Any]
+    meta_crc: int = 0  # the CRC the meta records of itself: this generation of the slot
+
+
+def parse_meta(raw: bytes, run_id: str) -> dict[str, Any] | None:
+    """The header in a meta file's bytes, or None when they are torn, corrupt or of another job."""
+    if meta_crc(raw) is None:
+        return None
+    header = pickle.loads(raw[12:])
+    return header if header.get("run_id") == run_id else None
 
 
 class _Mapping:
@@ -85,11 +94,14 @@ class MemorySnapshots:
     def _meta_path(self, slot: int) -> Path:
         return self.dir / f"shared.{slot}.meta"
 
+    def _choose(self, free: list[int]) -> int:
+        """The slot to overwrite among ``free`` (unpinned): the empty or oldest one."""
+        return min(free, key=lambda s: (self._slot_steps[s] is not None, self._slot_steps[s] or 0))
+
     def begin(self, nbytes: int) -> tuple[int, torch.Tensor, memoryview]:
         """Claim the oldest unpinned slot, invalidate it, and return it as a writable buffer."""
         with self._lock:
-            free = [s for s in range(SLOTS) if s not in self._pinned]
-            slot = min(free, key=lambda s: (self._slot_steps[s] is not None, self._slot_steps[s] or 0))
+            slot = self._choose([s for s in range(SLOTS) if s not in self._pinned])
             self._slot_steps[slot] = None
         try:
             self._meta_path(slot).unlink()
@@ -109,12 +121,15 @@ class MemorySnapshots:
             view,
         )
 
-    def publish(self, slot: int, header: dict[str, Any]) -> None:
-        """Mark ``slot`` complete: its data holds the state ``header`` describes."""
+    def publish(self, slot: int, header: dict[str, Any]) -> int:
+        """Mark ``slot`` complete: its data holds the state ``header`` describes.  Returns the meta's
+        CRC (this generation of the slot, by which snapshot servers name it)."""
         body = pickle.dumps({**header, "run_id": self.run_id}, protocol=pickle.HIGHEST_PROTOCOL)
-        atomic_write(self._meta_path(slot), [_META_MAGIC, struct.pack("<I", zlib.crc32(body)), body], False)
+        crc = zlib.crc32(body)
+        atomic_write(self._meta_path(slot), [META_MAGIC, struct.pack("<I", crc), body], False)
         with self._lock:
             self._slot_steps[slot] = header["step"]
+        return crc
 
     def pin(self, slot: int) -> None:
         with self._lock:
@@ -132,33 +147,32 @@ class MemorySnapshots:
     # -- shared state: reader side ----------------------------------------------------------
     def read_meta(self, slot: int) -> dict[str, Any] | None:
         """The header of a complete slot, or None when the slot is empty, torn, or foreign."""
+        found = self._read_meta(slot)
+        return found[0] if found is not None else None
+
+    def _read_meta(self, slot: int) -> tuple[dict[str, Any], int] | None:
         try:
             raw = self._meta_path(slot).read_bytes()
         except FileNotFoundError:
             return None
-        if len(raw) < 12 or raw[:8] != _META_MAGIC:
-            return None
-        (crc,) = struct.unpack("<I", raw[8:12])
-        body = raw[12:]
-        if zlib.crc32(body) != crc:
-            return None
-        header = pickle.loads(body)
-        if header.get("run_id") != self.run_id:
+        header = parse_meta(raw, self.run_id)
+        if header is None:
             return None
         try:
             if self._data_path(slot).stat().st_size < header["nbytes"]:
                 return None
         except FileNotFoundError:
             return None
-        return header
+        return header, struct.unpack("<I", raw[8:12])[0]
 
     def scan(self) -> list[SlotInfo]:
         """Complete snapshots on this node, newest first."""
         found = []
         for slot in range(SLOTS):
-            header = self.read_meta(slot)
-            if header is not None:
-                found.append(SlotInfo(slot, header["step"], header["world_size"], header))
+            meta = self._read_meta(slot)
+            if meta is not None:
+                header, crc = meta
+                found.append(SlotInfo(slot, header["step"], header["world_size"], header, crc))
         return sorted(found, key=lambda i: -i.step)
 
     def read(self, info: SlotInfo) -> torch.Tensor:

@@ -13,13 +13,14 @@ Every ``checkpoint_every`` commits the slot is also written to ``checkpoint_dir`
 second helper thread while every rank writes its RNG file there (see ``checkpoint.py``).
 
 ``restore()`` is collective: all ranks report what they can read, agree on one step and source
-(``plan.py``), and end with identical replicated state and their own RNG states.
+(``plan.py``), and end with identical replicated state and their own RNG states: that half is
+``restore.py`` (:class:`~elastrun.train.restore.Restorer`).  A sharded model's snapshots, checkpoints
+and restores are ``sharded/``'s.
 """
 
 from __future__ import annotations
 
 import atexit
-import copy
 import os
 import shutil
 import signal
@@ -27,7 +28,6 @@ import socket
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,30 +38,16 @@ from elastrun.observe import steplog
 from elastrun.train import dist as edist
 from elastrun.train import notes, reform, rng, sharded
 from elastrun.train.background import BackgroundJob
-from elastrun.train.blob import copy_into, flatten, make_header, materialize
-from elastrun.train.checkpoint import CheckpointCorrupt, CheckpointDir, DiskCandidate
+from elastrun.train.blob import copy_into, flatten, make_header
+from elastrun.train.checkpoint import CheckpointDir
 from elastrun.train.copier import SnapshotCopy
-from elastrun.train.plan import Plan, Report, make_plan
 from elastrun.train.reformable import Reformable
+from elastrun.train.restore import Live, Restorer
 from elastrun.train.sampler import ElasticSampler
-from elastrun.train.snapshot import RNG_KEEP, MemorySnapshots, SlotInfo
+from elastrun.train.snapshot import RNG_KEEP, MemorySnapshots
 
 _RESERVED = {"step", "commit", "restore", "checkpoint", "flush", "close", "extras", "preempted", "last_restore",
-             "live_step", "rebind"}
-
-
-@dataclass
-class _Live:
-    """What a process's own objects can be rolled back to in a re-form (see ``State._live``)."""
-
-    step: int
-    world_size: int
-    rng: bytes
-    aux: dict[str, Any]
-
-
-#: ``State._fetch``'s answer for a rank whose own objects already hold the planned step.
-_USE_LIVE = object()
+             "live_step", "rebind", "restored_from", "last_transfer", "attach", "load_dcp", "copied_step"}
 
 
 def _world() -> tuple[int, int, int]:
@@ -87,7 +73,7 @@ def _snapshot_dir(explicit: str | Path | None) -> tuple[Path, bool]:
     return Path(tempfile.mkdtemp(prefix="elastrun-snap-", dir=base)), True
 
 
-class State(Reformable):
+class State(Restorer, Reformable):
     """Everything a training job must get back after a crash, a restart or a resize.
 
     ``model`` (plain or DDP-wrapped), ``optimizer`` and ``sampler`` are saved with their
@@ -102,6 +88,8 @@ class State(Reformable):
     from the elastrun agent).
     ``async_snapshot=False`` copies on the training thread (for code that changes parameters
     outside ``optimizer.step()``).  ``handle_signals`` installs the SIGTERM pre-emption handler.
+    ``copies`` (sharded states): how many nodes' memory holds each committed shard while the job
+    has that many nodes (2: the rank's own node and the next one; 1: no copies elsewhere).
     """
 
     def __init__(
@@ -116,6 +104,7 @@ class State(Reformable):
         snapshot_dir: str | Path | None = None,
         async_snapshot: bool = True,
         handle_signals: bool = True,
+        copies: int = 2,
         **extras: Any,
     ) -> None:
         bad = _RESERVED & extras.keys()
@@ -123,6 +112,8 @@ class State(Reformable):
             raise ValueError(f"State extras cannot be named {sorted(bad)}: those are State's own attributes")
         if checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+        if copies < 1:
+            raise ValueError(f"copies must be >= 1 (1: no copies in other nodes' memory), got {copies}")
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1 (1: every commit), got {snapshot_every}")
         if checkpoint_every and checkpoint_dir is None:
@@ -140,6 +131,7 @@ class State(Reformable):
         self._writes_shared = self._local_rank == 0
         self._every = checkpoint_every
         self._snapshot_every = snapshot_every
+        self._copies = copies
         self._ckpt = CheckpointDir(checkpoint_dir, keep) if checkpoint_dir is not None else None
         snap_dir, self._owns_snap_dir = _snapshot_dir(snapshot_dir)
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
@@ -159,13 +151,15 @@ class State(Reformable):
         #: What this process's live objects hold (under ``elastrun.train.run`` only): the step of the
         #: last commit or restore, the world size it was committed at, this rank's RNG states then,
         #: and copies of what changes outside ``optimizer.step()`` (sampler, extras, buffers).
-        self._live: _Live | None = None
+        self._live: Live | None = None
         #: True once ``optimizer.step()`` began after that commit: parameters no longer match it.
         self._dirty = False
         #: True once this process got SIGTERM; commit() then checkpoints and exits.
         self.preempted = False
         #: What the last ``restore()`` returned on this rank (None: nothing restored yet, or a fresh start).
         self.last_restore: str | None = None
+        #: What the last restore moved from other nodes: ``{"via": "server" | "group", "bytes", "seconds"}``.
+        self.last_transfer: dict[str, Any] | None = None
         self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) if optimizer else None
         self._steplog = steplog.writer()  # when each step ran and was committed, for goodput
         if handle_signals:
@@ -188,6 +182,19 @@ class State(Reformable):
     @property
     def extras(self) -> dict[str, Any]:
         return self._extras
+
+    @property
+    def restored_from(self) -> dict[int, str]:
+        """Sharded states, after a restore: old rank -> where this rank read that rank's shard from
+        (``memory``: its node's own file, ``replica``: its node's copy of another node's file,
+        ``peer`` / ``peer replica``: another node's, ``disk``)."""
+        return dict(self._sharded.sources) if self._sharded is not None else {}
+
+    @property
+    def copied_step(self) -> int | None:
+        """Sharded states: the newest step of this rank whose copy into another node's memory
+        finished (a step is committed against the loss of a node once every rank's is), or None."""
+        return self._sharded.copies.done() if self._sharded is not None else None
 
     # -- what is saved ------------------------------------------------------------------------
     def _module(self) -> torch.nn.Module | None:
@@ -241,46 +248,6 @@ class State(Reformable):
             self._finish_copy()  # the parameters are about to change: the snapshot must hold the old ones
         self._dirty = True
 
-    # -- what a re-form rolls back to (elastrun.train.run) ------------------------------------------
-    def _aux(self) -> dict[str, Any]:
-        """Copies of the committed state that changes outside ``optimizer.step()``."""
-        module = self._module()
-        return {
-            "sampler": self._sampler.state_dict() if self._sampler is not None else None,
-            "extras": copy.deepcopy(self._tree_extras()),
-            "buffers": [b.detach().clone() for b in module.buffers()] if module is not None else [],
-        }
-
-    def _remember_live(self, payload: bytes) -> None:
-        if reform.active():
-            self._live = _Live(self.step, self._world_size, payload, self._aux())
-            self._dirty = False
-
-    def live_step(self) -> int | None:
-        """The committed step this process's objects can roll back to without a copy, or None (torn)."""
-        if self._live is None or self._dirty:
-            return None
-        return self._live.step
-
-    def _rollback_live(self) -> None:
-        """Put the live objects back to the remembered commit (parameters and optimizer state are
-        untouched since: only the copies of everything else are applied)."""
-        live = self._live
-        assert live is not None
-        if self._sampler is not None and live.aux["sampler"] is not None:
-            self._sampler.load_state_dict(live.aux["sampler"])
-        for k, v in copy.deepcopy(live.aux["extras"]).items():
-            if k in self._extras and hasattr(self._extras[k], "load_state_dict"):
-                self._extras[k].load_state_dict(v)
-            else:
-                self._extras[k] = v
-        module = self._module()
-        if module is not None:
-            with torch.no_grad():
-                for b, saved in zip(module.buffers(), live.aux["buffers"], strict=True):
-                    b.copy_(saved)
-        self.step = live.step
-
     def rebind(self) -> None:
         """Take the rank and world size of the new process group (after a re-form)."""
         self._rank, self._world_size, self._local_rank = _world()
@@ -315,14 +282,15 @@ class State(Reformable):
             self._sampler.advance()
         self.step += 1
         heartbeat()  # progress for the agent's hang and crash-loop detection
-        stop = edist.any_flag(self.preempted, self._flag_scratch)
+        copying = self._sharded is not None and self._sharded.copies.busy()
+        stop, copying = edist.any_flags((self.preempted, copying), self._flag_scratch)
         rng_state = rng.capture()
         self._mem.write_rng(self._rank, self.step, rng_state)
         if self._writes_shared and self.step % 100 == 0:
             self._mem.prune_rng(self.step - 2 * RNG_KEEP)
         durable = self._ckpt is not None and (stop or (self._every > 0 and self.step % self._every == 0))
         if self._sharded is not None:  # issue 24: every rank snapshots and persists its own shard
-            self._sharded.commit(durable, stop, self._async)
+            self._sharded.commit(durable, stop, self._async, copy_step=not copying)
         elif self._writes_shared and (durable or self.step % self._snapshot_every == 0):
             self._snapshot(durable and self._rank == 0, stop, self._async)
         if durable and self._rank != 0 and self._sharded is None:
@@ -457,164 +425,6 @@ class State(Reformable):
         self._drain()
         self._persister.wait()
         self._steplog.blocked(began)
-
-    # -- restore ---------------------------------------------------------------------------------
-    def _report(self) -> tuple[Report, dict[int, SlotInfo], dict[int, DiskCandidate]]:
-        slots = {i.step: i for i in self._mem.scan()}
-        disk = {c.step: c for c in self._ckpt.scan(warn=self._rank == 0) if c.kind != "dcp"} if self._ckpt else {}
-        mem_rng = self._mem.scan_rng()
-        live = self.live_step()
-        if live is not None:  # this rank's own RNG states of its live step, held in memory
-            mem_rng[self._rank] = sorted({*mem_rng.get(self._rank, ()), live})
-        report = Report(
-            rank=self._rank,
-            mem={s: i.world_size for s, i in slots.items()},
-            mem_rng=mem_rng,
-            disk={s: c.world_size for s, c in disk.items()},
-            disk_rng={s: c.rng_ranks for s, c in disk.items()},
-            live={live: self._live.world_size} if live is not None and self._live is not None else {},
-        )
-        return report, slots, disk
-
-    def restore(self) -> str | None:
-        """Load the newest saved state all ranks agree on; returns its source or None (fresh start).
-
-        ``"memory"``: each node's own snapshot; ``"peer"``: sent by a rank whose node has it;
-        ``"disk"``: the checkpoint directory; ``"live"`` (after an in-process re-form under
-        ``elastrun.train.run`` only): this process's own objects, rolled back without a copy.
-        Collective: every rank must call it.
-        """
-        began = time.time()
-        with reform.section():
-            self.last_restore = self._restore()
-            self._steplog.restored(began, self.step, self.last_restore)
-        return self.last_restore
-
-    def _restore(self) -> str | None:
-        if self._sharded is not None:  # issue 24
-            return self._sharded.restore()
-        if self._model is None and self._optimizer is None and reform.active():
-            return None  # issue 24: under et.run a State without a model waits for attach() (no collective)
-        self._drain()
-        self._abandon.set()
-        try:
-            self._persister.wait()
-        finally:
-            self._abandon.clear()
-        report, slots, disk = self._report()
-        reports = edist.all_gather(report)
-        excluded: set[tuple] = set()
-        for _ in range(4 * (len(slots) + len(disk)) + 8):
-            plan = make_plan(reports, excluded)
-            if plan is None:
-                return None
-            loaded = self._fetch(plan, slots, disk)
-            failures = edist.all_gather(None if loaded is not None else self._rank)
-            if plan.source in ("memory", "live") and any(f is not None for f in failures):
-                excluded.update(("mem", f, plan.step) for f in failures if f is not None)
-                continue
-            if loaded is None:
-                excluded.add(("disk", plan.step) if plan.source == "disk" else ("mem", plan.src_rank, plan.step))
-                continue
-            if loaded is _USE_LIVE:
-                self._rollback_live()
-                source = "live"
-            else:
-                self._apply(loaded)
-                # What this process remembered of its own last commit is not what it now holds (the
-                # plan chose another step): a re-form before the next commit must not roll back to it.
-                self._live = None
-                source = "memory" if plan.source == "live" else plan.source
-            self._restore_rng(plan, disk)
-            return source
-        raise RuntimeError("State.restore(): no saved state could be loaded on every rank")
-
-    def _live_bytes(self) -> tuple[dict[str, Any], torch.Tensor]:
-        """Header and bytes of the live objects (rolled back to their commit first), to send to peers."""
-        self._rollback_live()
-        flat = flatten(self._tree())
-        header = make_header(flat, step=self.step, world_size=self._live.world_size if self._live else 0)
-        data = torch.empty(flat.nbytes, dtype=torch.uint8)
-        copy_into(flat, data)
-        return header, data
-
-    def _fetch(self, plan: Plan, slots: dict[int, SlotInfo], disk: dict[int, DiskCandidate]) -> Any:
-        """The state tree of ``plan.step`` on this rank, ``_USE_LIVE``, or None when it could not be read."""
-        live = self.live_step() == plan.step
-        if plan.source in ("memory", "live"):
-            if live:
-                return _USE_LIVE
-            try:
-                info = slots[plan.step]
-                return materialize(info.header, self._mem.read(info))
-            except (OSError, ValueError, KeyError) as e:
-                notes.warn(f"memory snapshot of step {plan.step} unreadable on rank {self._rank}: {e}", stacklevel=3)
-                return None
-        header: Any = None
-        data = None
-        if self._rank == plan.src_rank:
-            try:
-                if plan.source == "peer" and live:
-                    header, data = self._live_bytes()
-                elif plan.source == "peer":
-                    info = slots[plan.step]
-                    header, data = info.header, self._mem.read(info)
-                else:
-                    header, data = self._ckpt.load_shared(disk[plan.step])  # type: ignore[union-attr]
-            except CheckpointCorrupt as e:
-                notes.warn(f"{e}; using an older checkpoint", stacklevel=3)
-                header = {"error": str(e)}
-            except (OSError, ValueError, KeyError) as e:
-                notes.warn(f"step {plan.step} unreadable from {plan.source} on rank {self._rank}: {e}", stacklevel=3)
-                header = {"error": str(e)}
-        header = edist.broadcast_obj(header, plan.src_rank)  # type: ignore[arg-type]
-        if "error" in header:
-            return None
-        if data is None:
-            data = torch.empty(header["nbytes"], dtype=torch.uint8)
-        edist.broadcast_bytes(data, plan.src_rank)  # type: ignore[arg-type]
-        if live:
-            return _USE_LIVE  # this rank's own objects already hold the step
-        return materialize(header, data)
-
-    def _restore_rng(self, plan: Plan, disk: dict[int, DiskCandidate]) -> None:
-        """Gather each rank's RNG state from whoever holds it, then apply (or derive) it."""
-        mine: dict[int, bytes] = {}
-        live = self._live if self.live_step() == plan.step else None
-        for k, holder in plan.rng_holders.items():
-            if holder != self._rank:
-                continue
-            blob = live.rng if live is not None and k == self._rank else self._mem.read_rng(k, plan.step)
-            if blob is None and plan.step in disk and self._ckpt is not None:
-                blob = self._ckpt.load_rng(disk[plan.step], k)
-            if blob is not None:
-                mine[k] = blob
-        merged: dict[int, bytes] = {}
-        for part in edist.all_gather(mine):
-            merged.update(part)
-        payload = merged.get(self._rank)
-        step, rank = plan.step, self._rank
-        if payload is None and reform.active():  # derived states, captured for a later re-form
-            current = rng.capture()
-            rng.derive(step, rank)
-            payload = rng.capture()
-            rng.apply(current)
-        if payload is not None:
-            self._remember_live(payload)
-
-        def apply() -> None:
-            if payload is not None:
-                rng.apply(payload)
-            else:
-                rng.derive(step, rank)
-
-        # The DataLoader draws a seed from torch's generator whenever an iterator is created.  An
-        # uninterrupted run does that at the start of an epoch only, so mid-epoch the restored
-        # states are applied after the new iterator has drawn, just before its first batch.
-        if self._sampler is not None and self._sampler.position > 0:
-            self._sampler.before_first_batch(apply)
-        else:
-            apply()
 
     # -- pre-emption ------------------------------------------------------------------------------
     def _install_signal_handler(self) -> None:

@@ -38,6 +38,54 @@ def test_cuda_shards_snapshot_to_host_memory_and_restore_bit_for_bit(work, procs
 
 @gpus(2)
 def test_nccl_restore_after_node_loss_and_join(work, procs):
-    """2 → 1 → 2 nodes, one GPU each: the survivor restores from the DCP checkpoint on NCCL; the
-    joiner gets its new shard from the survivor's host memory over NCCL (staged through its GPU)."""
+    """2 → 1 → 2 nodes, one GPU each, NCCL: the survivor restores the lost node's shard from the
+    replica in its own node's memory (0 committed steps lost); the joiner gets its new shard from
+    the survivor's snapshot server (staged through a host buffer onto its GPU)."""
     lose_and_join(work, procs, 2, ["--cuda"], [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}])
+
+
+_SERVER_INTO_CUDA = """
+import dataclasses, sys, tempfile
+from pathlib import Path
+import torch
+from elastrun.agent.snapserver import SnapshotServer
+from elastrun.train.sharded import slots
+from elastrun.train.sharded.fetch import FileRef, ServerTransport, Want
+from elastrun.train.sharded.layout import lay_out
+
+d = Path(tempfile.mkdtemp(dir="/dev/shm"))
+data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+entries, _, size = lay_out({"w": data})
+mem = slots.ShardSlots(d, "job", 0)
+slot, buf, view = mem.begin(size)
+buf[: data.numel()].copy_(data)
+del buf
+view.release()
+crc = mem.publish(slot, {"step": 1, "world_size": 1, "rank": 0, "nbytes": size,
+                         "entries": [dataclasses.astuple(e) for e in entries], "skeleton": b""})
+server = SnapshotServer(d, None, ("127.0.0.1", 0), "127.0.0.1")
+server.start()
+into = torch.zeros(data.numel(), dtype=torch.uint8, device="cuda")
+ref = FileRef(0, 1)
+transport = ServerTransport({1: server.address}, {(1, ref): ("", mem.name(slot), crc)}, None)
+transport.fetch([Want(1, ref, 0, data.numel(), into)], lambda ref: None)
+torch.cuda.synchronize()
+assert torch.equal(into.cpu(), data), "bytes differ"
+server.close()
+mem.close()
+print("ok")
+"""
+
+
+@gpus(1)
+def test_snapshot_server_ranges_land_in_cuda_tensors(work):
+    """A range fetched from a snapshot server into a CUDA destination is staged through a host
+    buffer and lands bit-for-bit (in a child process: pytest itself never initialises CUDA)."""
+    import subprocess
+    import sys
+
+    from tests.train.harness import env
+
+    out = subprocess.run([sys.executable, "-c", _SERVER_INTO_CUDA], env=env(), capture_output=True, text=True,
+                         timeout=120, cwd=work)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -4,11 +4,13 @@ from the snapshots, and the resharding reads DCP's planner asks for (issue 24)."
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from elastrun.peer.replicas import REPLICAS, CorruptReplica, Sums, block_crcs
 from elastrun.train.sharded import slots
 from elastrun.train.sharded.fetch import FileRef, LocalFile, PeerTransport, Resolver
 from elastrun.train.sharded.layout import Ref, join, lay_out, split
@@ -112,3 +114,41 @@ def test_metadata_of_incomplete_chunks_is_refused(tmp_path):
     headers = {0: slots.scan(tmp_path, "job")[0].header}
     with pytest.raises(ValueError, match="cover 12 of its 24 elements"):
         dcp_metadata(headers, lambda key, ranks: min(ranks))
+
+
+def test_a_corrupt_or_truncated_replica_is_not_used(tmp_path):
+    """A replica (another node's shard file copied here by the agents, with block CRCs) is read only
+    where its blocks match their CRCs: a flipped byte fails the read, the copy is excluded and the
+    plan goes back to what is whole; a truncated replica is not even listed."""
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    write_shard(tmp_path, 0, 5, 2, range(0, 3), full)  # this node's own rank 0
+    replica_dir = tmp_path / REPLICAS / "node-b"
+    replica_dir.mkdir(parents=True)
+    write_shard(replica_dir, 1, 5, 2, range(3, 6), full)  # rank 1's file, copied from node B
+    [theirs] = slots.scan(replica_dir, "job")
+    nbytes = theirs.header["nbytes"]
+    Sums(5, 2, nbytes, theirs.meta_crc, 16, block_crcs(memoryview(theirs.data.read_bytes()[:nbytes]), 16)).write(
+        theirs.data.with_suffix(".sum"))  # fmt: skip
+    found = {f.rank: f for f in slots.scan_node(tmp_path, "job")}
+    assert found[1].where == "replicas/node-b" and found[1].sums is not None
+    report = ShardReport(0, "A", {(5, 2): sorted(found)}, {0: [5], 1: [5]}, {3: 2}, {3: [0, 1]})
+    assert make_plan([report]).source == "memory"
+
+    with open(theirs.data, "r+b") as f:  # one flipped byte in the replica's first block
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    local = {FileRef(r, 5): LocalFile(f.data, f.header["nbytes"], f.sums) for r, f in found.items()}
+    metadata, where = dcp_metadata({r: f.header for r, f in found.items()}, lambda key, ranks: min(ranks))
+    dest = {"model.w": torch.full((6, 4), -1.0), "optimizer.state.w.step": torch.tensor(0.0)}
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(dest, metadata, True)
+    failed: set = set()
+    with pytest.raises(CorruptReplica, match="do not match their CRC"):
+        read_items(planner.create_local_plan(), planner, where, Resolver(local, {}, 0), _NoPeers(), failed)
+    assert failed == {(0, FileRef(1, 5))}
+    plan = make_plan([report], {("mem", "A", 5, 1)})  # that copy excluded: back to the checkpoint
+    assert (plan.step, plan.source, plan.lost) == (3, "disk", (5, [1]))
+
+    os.truncate(theirs.data, nbytes - 1)  # a truncated replica is not listed
+    assert sorted(f.rank for f in slots.scan_node(tmp_path, "job")) == [0]

@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--ddp", action="store_true", help="wrap in DDP (else all-reduce gradients by hand)")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) and use AdamW")
     p.add_argument("--cuda", action="store_true", help="with --fsdp: the model and batches on this rank's GPU")
+    p.add_argument("--hsdp", action="store_true", help="with --fsdp: HSDP, 2 replica groups (an even world size)")
     p.add_argument("--load-dcp", default=None, help="on a fresh start, load this DCP checkpoint (State.load_dcp)")
     p.add_argument("--truncate", default=None, help="ATTEMPT:RANK:STEP: truncate a shard snapshot before a crash")
     p.add_argument("--stop-at-step", type=int, default=0, help="exit cleanly once this step is committed")
@@ -63,6 +64,8 @@ def main() -> None:
     p.add_argument("--reform", action="store_true", help="run the training body with et.run (in-process re-forms)")
     p.add_argument("--hold-file", default=None, help="below --hold-world, wait (at most 120 s) while this file exists")
     p.add_argument("--hold-world", type=int, default=2)
+    p.add_argument("--pause-file", default=None, help="from step --pause-after, wait (120 s at most) while it exists")
+    p.add_argument("--pause-after", type=int, default=0)
     a = p.parse_args()
 
     out = Path(a.out)
@@ -96,7 +99,7 @@ def main() -> None:
         et.run(lambda st: train(a, out, net, None, opt, sampler, loader, st), state)
     else:
         info = et.init_distributed()
-        model = fsdp(net, a.cuda) if a.fsdp else DDP(net) if a.ddp else net
+        model = fsdp(net, a.cuda, a.hsdp) if a.fsdp else DDP(net) if a.ddp else net
         opt = torch.optim.AdamW(model.parameters(), lr=0.01) if a.fsdp else torch.optim.SGD(
             model.parameters(), lr=0.05, momentum=0.9)
         sampler = et.ElasticSampler(dataset, batch_size=a.batch, seed=7)
@@ -121,16 +124,23 @@ def build_net() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
 
 
-def fsdp(net: torch.nn.Module, cuda: bool = False) -> torch.nn.Module:
+def fsdp(net: torch.nn.Module, cuda: bool = False, hsdp: bool = False) -> torch.nn.Module:
+    """FSDP2 per layer; ``hsdp``: on a 2-D mesh (2 replica groups × world/2 shards) when the world
+    size is even, so rank r's twin (the same chunks) is rank r + world/2."""
     from torch.distributed.fsdp import fully_shard
 
     if cuda:
         net.to(torch.device("cuda", torch.cuda.current_device()))
+    mesh = None
+    world = torch.distributed.get_world_size()
+    if hsdp and world % 2 == 0:
+        from torch.distributed.device_mesh import init_device_mesh
 
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     for layer in net:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    return fully_shard(net)
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(net, mesh=mesh)
 
 
 def digest(net: torch.nn.Module) -> str:
@@ -140,6 +150,22 @@ def digest(net: torch.nn.Module) -> str:
         t = t.full_tensor() if hasattr(t, "full_tensor") else t
         h.update(t.detach().cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+_copied: dict[int, int] = {}
+
+
+def record_copies(out: Path, rank: int) -> None:
+    """Append this rank's newest copy to another node's memory, as its agent reported it, to
+    ``copied.r<rank>.jsonl`` (step, ok) when it changed."""
+    from elastrun.peer.replicas import PushStatus, status_path
+
+    status = PushStatus.read(status_path(Path(os.environ.get("ELASTRUN_SNAPSHOT_DIR", "/nonexistent")), "shard", rank))
+    if status is None or _copied.get(rank) == status.step:
+        return
+    _copied[rank] = status.step
+    with open(out / f"copied.r{rank}.jsonl", "a") as f:
+        f.write(json.dumps({"step": status.step, "ok": status.ok, "error": status.error}) + "\n")
 
 
 def truncate_newest_shard(rank: int) -> None:
@@ -170,7 +196,8 @@ def train(a, out: Path, net, model, opt, sampler, loader, state) -> bool | None:
     if model is None:
         model = DDP(net) if a.ddp else net
     restored = {"source": state.last_restore, "step": state.step, "world_size": world,
-                "epoch": sampler.epoch, "pid": os.getpid()}  # fmt: skip
+                "epoch": sampler.epoch, "pid": os.getpid(), "from": state.restored_from,
+                "transfer": state.last_transfer}  # fmt: skip
     if a.fsdp:
         restored["sha256"] = digest(net)
     (out / f"restore.r{rank}.a{attempt}.json").write_text(json.dumps(restored))
@@ -230,6 +257,7 @@ def train(a, out: Path, net, model, opt, sampler, loader, state) -> bool | None:
                     state.flush()
                     torch.distributed.barrier()
                 if a.fsdp:
+                    record_copies(out, rank)
                     sha = digest(net)
                     if rank == 0:
                         line = json.dumps({"attempt": attempt, "step": step, "world": world, "sha256": sha})
@@ -242,6 +270,12 @@ def train(a, out: Path, net, model, opt, sampler, loader, state) -> bool | None:
                     kill_self()
                 if a.sleep:
                     time.sleep(a.sleep)
+                if a.pause_file and step >= a.pause_after:  # the test acts on a paused job (the agents go on)
+                    deadline = time.monotonic() + 120
+                    while os.path.exists(a.pause_file) and time.monotonic() < deadline:
+                        if a.fsdp:
+                            record_copies(out, rank)
+                        time.sleep(0.05)
                 if a.stop_at_step and state.step >= a.stop_at_step:
                     state.close()
                     return None

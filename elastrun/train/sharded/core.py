@@ -10,8 +10,10 @@ part, so every rank snapshots, persists and restores its own shard:
   (``durable.py``), in the background.
 * ``restore()``: one ``all_gather`` of what each node holds (``plan.py``), then either every rank
   loads exactly its new shards from the snapshots of the chosen step, wherever they are (its own
-  node's memory first, then a peer's: ``fetch.py``; resharded by DCP's planner: ``reader.py``), or
-  all load the step's DCP checkpoint from disk.
+  node's memory first, its own or a replica, then a peer's: ``fetch.py``; resharded by DCP's
+  planner: ``reader.py``), or all load the step's DCP checkpoint from disk.
+* copies in other nodes' memory: at copy steps (decided together at the commit), each rank asks its
+  agent to copy its published slot to the next node (``copies.py``).
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from elastrun.train import dist as edist
-from elastrun.train import notes, reform
+from elastrun.train import notes, reform, snapclient
 from elastrun.train.blob import Entry as BlobEntry
 from elastrun.train.blob import Flattened, copy_into
 from elastrun.train.checkpoint import DiskCandidate
 from elastrun.train.copier import SnapshotCopy
 from elastrun.train.sharded import durable, slots
+from elastrun.train.sharded.copies import Copies
 from elastrun.train.sharded.layout import (
     Entry,
     Layout,
@@ -46,9 +49,10 @@ from elastrun.train.sharded.layout import (
     param_names,
     refs_of,
     split,
+    twins,
     unwrap,
 )
-from elastrun.train.sharded.plan import ShardPlan, ShardReport, make_plan
+from elastrun.train.sharded.plan import ShardPlan, ShardReport, lost, make_plan
 from elastrun.train.sharded.reader import entries_of, open_step
 
 if TYPE_CHECKING:
@@ -96,6 +100,13 @@ class ShardedState:
         self.stale = False
         #: Whether the model came through ``State.attach`` (the et.run shape), not ``State(model=...)``.
         self.attached = False
+        #: Copies of the committed shards in other nodes' memory (configured by each restore).
+        self.copies = Copies(state._copies)
+        self._twins: tuple[int, ...] = (state._rank,)
+        #: After a restore: old rank -> where this rank read its shard from (``memory``, ``replica``,
+        #: ``peer``, ``peer replica``, ``disk``), and the bytes and seconds of what came from peers.
+        self.sources: dict[int, str] = {}
+        self.transfer: dict[str, Any] | None = None
 
     # -- what is saved ------------------------------------------------------------------------
     def slots(self) -> slots.ShardSlots:
@@ -138,8 +149,9 @@ class ShardedState:
         return ptrs
 
     # -- commit ----------------------------------------------------------------------------------
-    def commit(self, durable_step: bool, stop: bool, background: bool) -> None:
-        """``State.commit()``'s snapshot part, on every rank."""
+    def commit(self, durable_step: bool, stop: bool, background: bool, copy_step: bool = False) -> None:
+        """``State.commit()``'s snapshot part, on every rank; ``copy_step``: no rank's last copy to
+        another node is still going (all-reduced), so this step's snapshot is copied."""
         st = self.st
         if self.stale:
             raise RuntimeError(
@@ -147,9 +159,9 @@ class ShardedState:
                 "et.run build and shard it inside fn and hand it over with state.attach(model, optimizer)"
             )
         if durable_step or st.step % st._snapshot_every == 0:
-            self.snapshot(durable_step, stop, background)
+            self.snapshot(durable_step, stop, background, copy_step)
 
-    def snapshot(self, persist: bool, stop: bool, background: bool) -> None:
+    def snapshot(self, persist: bool, stop: bool, background: bool, copy_step: bool = False) -> None:
         """Copy this rank's shard of ``State.step`` into a memory slot (and queue its checkpoint)."""
         st = self.st
         skeleton, tensors = split(self.tree())
@@ -157,6 +169,7 @@ class ShardedState:
         if changed:
             self._entries = [dataclasses.astuple(e) for e in entries]
             self._stable = self._stable_ptrs()
+            self._twins = twins(tensors.values(), st._rank)
         if background:
             for i, t in enumerate(locals_):
                 if t.numel() and not (t.data_ptr() in self._stable and t.is_contiguous()):
@@ -164,25 +177,33 @@ class ShardedState:
         flat = Flattened(None, locals_, [BlobEntry(e.dtype, e.chunk, e.offset, e.nbytes) for e in entries], nbytes)
         header = {
             "format": FORMAT, "step": st.step, "world_size": st._world_size, "rank": st._rank, "nbytes": nbytes,
-            "entries": self._entries,
+            "entries": self._entries, "twins": self._twins,
             "skeleton": pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL),
         }  # fmt: skip
         mem = self.slots()
         slot, buf, view = mem.begin(nbytes)
         copy = SnapshotCopy(flat, buf) if background else None
         prune = st._local_rank == 0 and st.step % PRUNE_EVERY == 0
+        marked = copy_step and self.copies.mark()
 
         def complete() -> None:
             nonlocal buf
-            if copy is None:
-                copy_into(flat, buf)
-            else:
-                if copy.device_indices:
-                    copy_into(flat, buf, copy.device_indices)
-                copy.wait()
+            try:
+                if copy is None:
+                    copy_into(flat, buf)
+                else:
+                    if copy.device_indices:
+                        copy_into(flat, buf, copy.device_indices)
+                    copy.wait()
+            except BaseException:
+                if marked:
+                    self.copies.cancel()
+                raise
             del buf
             view.release()
-            mem.publish(slot, header)
+            crc = mem.publish(slot, header)
+            if marked:
+                self.copies.request(mem, slot, header, crc)
             if persist:
                 self._persist(slot, header, must=stop)
             if prune:  # every rank has published step - 2 by now (see slots.prune)
@@ -244,8 +265,11 @@ class ShardedState:
     def _report(self) -> tuple[ShardReport, dict[int, DiskCandidate]]:
         st = self.st
         shards: dict[tuple[int, int], list[int]] = {}
-        for f in slots.scan(st._mem.dir, st._mem.run_id):
+        found_twins: dict[tuple[int, int], tuple[int, ...]] = {}
+        for f in slots.scan_node(st._mem.dir, st._mem.run_id):
             shards.setdefault((f.step, f.world_size), []).append(f.rank)
+            if len(f.header.get("twins", ())) > 1:
+                found_twins[(f.step, f.rank)] = tuple(f.header["twins"])
         disk = {}
         if st._ckpt is not None:
             disk = {c.step: c for c in st._ckpt.scan(warn=st._rank == 0) if c.kind == durable.KIND}
@@ -256,6 +280,8 @@ class ShardedState:
             mem_rng=st._mem.scan_rng(),
             disk={s: c.world_size for s, c in disk.items()},
             disk_rng={s: c.rng_ranks for s, c in disk.items()},
+            twins=found_twins,
+            server=snapclient.my_server(),
         )
         return report, disk
 
@@ -278,13 +304,22 @@ class ShardedState:
             return None
         report, disk = self._report()
         reports = edist.all_gather(report)
+        self.sources, self.transfer = {}, None
+        self.copies.configure(reports, st._rank, st._mem.dir, self._current_twins())
         excluded: set[tuple] = set()
         for _ in range(4 * sum(len(r.shards) for r in reports) + len(disk) + 8):
             plan = make_plan(reports, excluded)
             if plan is None:
+                gone = lost(reports, excluded, None)
+                if gone is not None and st._rank == 0:
+                    notes.warn(f"{_lost_text(gone)} and there is no checkpoint: starting afresh", stacklevel=4)
                 return None
+            if plan.lost is not None and st._rank == 0:
+                where = f"the checkpoint {disk[plan.step].dir}" if plan.source == "disk" else "memory"
+                notes.warn(f"{_lost_text(plan.lost)}: restoring step {plan.step} from {where} "
+                           f"({plan.lost[0] - plan.step} step(s) lost)", stacklevel=4)  # fmt: skip
             if plan.source == "memory":
-                source, failed = self._from_memory(plan)
+                source, failed = self._from_memory(plan, reports)
             else:
                 source, failed = self._from_disk(plan, disk[plan.step])
             if failed:
@@ -296,6 +331,12 @@ class ShardedState:
             return source
         raise RuntimeError("State.restore(): no saved sharded state could be loaded on every rank")
 
+    def _current_twins(self) -> tuple[int, ...]:
+        """This rank's twins on the current mesh (HSDP: the same chunks in another replica group)."""
+        if self.module is None:
+            return (self.st._rank,)
+        return twins(self.module.parameters(), self.st._rank)
+
     def _agree(self, error: BaseException | None) -> None:
         """Raise the same error on every rank when any rank has one (before a collective load)."""
         errors = [e for e in edist.all_gather(str(error) if error is not None else None) if e is not None]
@@ -304,7 +345,7 @@ class ShardedState:
                 raise Unsupported(errors[0])
             raise error
 
-    def _from_memory(self, plan: ShardPlan) -> tuple[str | None, set[tuple]]:
+    def _from_memory(self, plan: ShardPlan, reports: list[ShardReport]) -> tuple[str | None, set[tuple]]:
         st, step = self.st, plan.step
         error: BaseException | None = None
         try:  # collective, and the same answer on every rank
@@ -322,7 +363,7 @@ class ShardedState:
             for h in headers.values():
                 for e in entries_of(h):
                     specs.setdefault(e.key, _spec(e))
-            skeleton = pickle.loads(headers[0]["skeleton"])
+            skeleton = pickle.loads(headers[min(headers)]["skeleton"])
             dest = self._destination(specs)
         except (Unsupported, ValueError, KeyError) as e:
             error = e
@@ -332,7 +373,7 @@ class ShardedState:
             error = None
         except Exception as e:  # every rank fails together (DCP gathers the read results)
             error = e
-        failed = {("mem", self.node, step, ref.rank) for ref in reader.failed}
+        failed = {("mem", reports[holder].node, step, ref.rank) for holder, ref in reader.failed}
         failed = {f for part in edist.all_gather(failed) for f in part}
         if failed:
             if st._rank == 0:
@@ -341,6 +382,10 @@ class ShardedState:
         if error is not None:
             raise error
         self._apply(skeleton, dest)
+        self.sources = dict(reader.sources)
+        moved = getattr(reader.transport, "received", None)
+        if moved:
+            self.transfer = {"via": "server", "bytes": moved, "seconds": reader.transport.seconds}  # type: ignore[attr-defined]
         return ("peer" if reader.fetched else "memory"), set()
 
     def _from_disk(self, plan: ShardPlan, cand: DiskCandidate) -> tuple[str | None, set[tuple]]:
@@ -375,6 +420,7 @@ class ShardedState:
                 notes.warn(f"checkpoint {cand.dir} could not be loaded ({e}); using an older one", stacklevel=4)
             return None, {("disk", plan.step)}
         self._apply(skeleton, dest)
+        self.sources = {old: "disk" for old in range(plan.saved_world_size)}
         return "disk", set()
 
     def _destination(self, specs: dict[str, _Spec]) -> dict[str, torch.Tensor]:
@@ -463,6 +509,12 @@ def load_dcp(state: State, checkpoint_id: str | os.PathLike) -> None:
     dcp.load(tree, checkpoint_id=checkpoint_id)
     if with_optimizer:
         state._optimizer.load_state_dict(optimizer_positional(tree["optimizer"], part.names))
+
+
+def _lost_text(gone: tuple[int, list[int]]) -> str:
+    step, ranks = gone
+    return (f"step {step} is not complete in any surviving node's memory: the shards of rank(s) "
+            f"{', '.join(map(str, ranks))} of step {step} were only on nodes that are gone (with their copies)")
 
 
 def _spec(e: Entry) -> _Spec:

@@ -6,16 +6,22 @@ Byte ranges of files held by peers are moved by a :class:`PeerTransport`.  The d
 per-file source: when some shard of a step is in no node's memory, the whole restore reads the
 step's DCP checkpoint instead (``plan.py``).
 
-This wave's transport, :class:`GroupTransport`, moves the ranges over the job's own process group
-(point-to-point sends between the rank whose node holds a file and the rank that needs part of
-it).  The next one fetches them from the agents' snapshot servers; it implements the same
-:meth:`PeerTransport.fetch`, with ``Want.holder`` naming the node that serves the file.
+Under elastrun the ranges come from the holder's node's snapshot server (:class:`ServerTransport`:
+``elastrun/agent/snapserver.py``, straight from that node's memory into the destination tensor, at
+wire speed).  Without servers (another launcher) :class:`GroupTransport` moves them over the job's
+own process group (point-to-point sends between the rank whose node holds a file and the rank that
+needs part of it).
+
+A file may be a replica (a copy the agents made of another node's file, with block CRCs): every
+read of one checks the CRCs of the blocks it touches, here (:class:`LocalFile`) or in the server.
 """
 
 from __future__ import annotations
 
 import abc
 import mmap
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +29,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from elastrun.peer.replicas import Sums, verify
 from elastrun.train import dist as edist
+from elastrun.train.snapclient import STREAMS, Get, fetch, writable
 
 
 @dataclass(frozen=True, order=True)
@@ -36,12 +44,15 @@ class FileRef:
 
 class LocalFile:
     """A snapshot data file in this node's memory, mapped copy-on-write (the file is never changed;
-    only the pages read are touched)."""
+    only the pages read are touched).  With ``sums`` it is a replica: each block is checked against
+    its CRC the first time a read touches it (:class:`~elastrun.peer.replicas.CorruptReplica`)."""
 
-    def __init__(self, path: Path, nbytes: int) -> None:
+    def __init__(self, path: Path, nbytes: int, sums: Sums | None = None) -> None:
         self.path = path
         self.nbytes = nbytes
+        self.sums = sums
         self._bytes: torch.Tensor | None = None
+        self._checked: set[int] = set()
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """``nbytes`` bytes from ``offset`` as a ``uint8`` tensor (no copy)."""
@@ -56,14 +67,30 @@ class LocalFile:
                 self._bytes = torch.frombuffer(mm, dtype=torch.uint8)
         if offset + nbytes > self.nbytes:
             raise ValueError(f"{self.path}: bytes {offset}..{offset + nbytes} are past its end ({self.nbytes})")
+        if self.sums is not None and nbytes:
+            self._check(offset, offset + nbytes)
         return self._bytes[offset : offset + nbytes]
+
+    def _check(self, start: int, end: int) -> None:
+        block = self.sums.block  # type: ignore[union-attr]
+        todo = [b for b in range(start // block, (end - 1) // block + 1) if b not in self._checked]
+        if not todo:
+            return
+        assert self._bytes is not None
+        data = writable(self._bytes)
+        try:
+            for b in todo:
+                verify(data, self.sums, b * block, min((b + 1) * block, self.nbytes), str(self.path))  # type: ignore[arg-type]
+                self._checked.add(b)
+        finally:
+            data.release()
 
 
 @dataclass
 class Want:
     """A byte range of a file held by a peer, and where it must land (a contiguous ``uint8`` tensor)."""
 
-    holder: int  # the peer that serves it (GroupTransport: a rank of the new group)
+    holder: int  # a rank of the new group whose node holds the file
     ref: FileRef
     offset: int
     nbytes: int
@@ -82,8 +109,9 @@ class PeerTransport(abc.ABC):
     transports where ranks answer each other.
     """
 
-    #: Files of this node that this rank failed to serve to a peer during the last fetch.
-    failed: set[FileRef]
+    #: ``(holder rank, file)`` pairs that could not be read during the last fetch: the holder's
+    #: node's copy of that file is excluded from the next plan.
+    failed: set[tuple[int, FileRef]]
 
     def __init__(self) -> None:
         self.failed = set()
@@ -120,7 +148,7 @@ class GroupTransport(PeerTransport):
                     data = source.view(offset, nbytes)
                 except (OSError, ValueError):
                     missing.append((rank, step))
-                    self.failed.add(FileRef(rank, step))
+                    self.failed.add((me, FileRef(rank, step)))
                     data = torch.zeros(nbytes, dtype=torch.uint8)  # the receiver must not wait; flagged below
                 data = data if dev.type == "cpu" else data.to(dev)
                 keep.append(data)
@@ -145,14 +173,74 @@ class GroupTransport(PeerTransport):
             raise FileNotFoundError(f"peer snapshot files unreadable during the restore (rank, step): {bad}")
 
 
+class ServerTransport(PeerTransport):
+    """From the snapshot servers of the holders' nodes (``elastrun/agent/snapserver.py``): one
+    connection per server, requests pipelined, each range received straight into its destination
+    (a CPU tensor; a GPU destination through a host buffer).  Not collective: a rank that needs
+    nothing sends nothing.
+
+    ``servers``: rank -> its node's server address; ``files``: ``(holder rank, file)`` -> where the
+    file is on that node (``""`` or ``replicas/<source>``), its slot name and its meta's CRC.
+    """
+
+    def __init__(self, servers: dict[int, str], files: dict[tuple[int, FileRef], tuple[str, str, int]],
+                 key: bytes | None) -> None:  # fmt: skip
+        super().__init__()
+        self.servers = servers
+        self.files = files
+        self.key = key
+        #: Bytes received and seconds spent in the last fetch (the peer transfer rate).
+        self.received = 0
+        self.seconds = 0.0
+
+    def fetch(self, wants: list[Want], serve: Callable[[FileRef], LocalFile | None]) -> None:
+        began = time.perf_counter()
+        by_server: dict[str, list[Want]] = {}
+        for w in wants:
+            if w.nbytes:
+                by_server.setdefault(self.servers[w.holder], []).append(w)
+        errors: list[str] = []
+        streams = max(1, STREAMS // max(1, len(by_server)))
+        threads = [threading.Thread(target=self._from, args=(addr, ws, errors, streams), daemon=True)
+                   for addr, ws in by_server.items()]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.seconds = time.perf_counter() - began
+        self.received = sum(w.nbytes for w in wants)
+        if errors:
+            raise FileNotFoundError(f"peer snapshot ranges unreadable during the restore: {errors[0]}")
+
+    def _from(self, address: str, wants: list[Want], errors: list[str], streams: int) -> None:
+        gets, landing = [], []
+        for w in wants:
+            where, name, crc = self.files[(w.holder, w.ref)]
+            into = w.into
+            if into.device.type != "cpu":
+                into = torch.empty(w.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+                landing.append((into, w.into))
+            gets.append(Get(where, name, crc, w.offset, w.nbytes, writable(into)))
+        results = fetch(address, self.key, gets, streams)
+        for w, error in zip(wants, results, strict=True):
+            if error is not None:
+                self.failed.add((w.holder, w.ref))
+                errors.append(error)
+        for buf, into in landing:
+            into.copy_(buf)
+
+
 class Resolver:
     """For this rank: which old ranks' files of one step are in its node's memory, and which peers
     hold the others."""
 
-    def __init__(self, local: dict[FileRef, LocalFile], holders: dict[FileRef, list[int]], me: int) -> None:
+    def __init__(self, local: dict[FileRef, LocalFile], holders: dict[FileRef, list[int]], me: int,
+                 replicas: set[tuple[int, FileRef]] | None = None) -> None:  # fmt: skip
         self.local = local
         self.holders = holders
         self.me = me
+        #: ``(holder rank, file)`` where the holder's node has the file as a replica.
+        self.replicas = replicas or set()
 
     def source(self, ref: FileRef) -> LocalFile | int:
         """The local file, or the rank to ask (spread over the holders by this rank's number)."""
@@ -165,3 +253,11 @@ class Resolver:
 
     def serve(self, ref: FileRef) -> LocalFile | None:
         return self.local.get(ref)
+
+    def describe(self, ref: FileRef) -> str:
+        """Where this rank reads ``ref`` from: ``memory`` (its node's own file), ``replica`` (its
+        node's copy of another node's file), ``peer`` / ``peer replica`` (another node's)."""
+        source = self.source(ref)
+        if isinstance(source, LocalFile):
+            return "replica" if source.sums is not None else "memory"
+        return "peer replica" if (source, ref) in self.replicas else "peer"

@@ -273,3 +273,22 @@ def lay_out(tensors: dict[str, torch.Tensor]) -> tuple[list[Entry], list[torch.T
     tensors to copy, and the file's size."""
     entries, locals_, offset, _ = Layout()(tensors)
     return entries, locals_, offset
+
+
+def twins(tensors: Any, rank: int) -> tuple[int, ...]:
+    """The global ranks that hold exactly the chunks ``rank`` holds of every DTensor in ``tensors``
+    (itself included): under HSDP, the ranks at the same place of the other replica groups.  A
+    DTensor's chunk is the same on two ranks of its mesh when their coordinates differ only along
+    mesh dimensions where it is ``Replicate``; plain tensors are held whole by everyone."""
+    group: set[int] | None = None
+    for t in tensors:
+        if not is_dtensor(t):
+            continue
+        mesh = t.device_mesh
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            continue
+        index = tuple(slice(None) if p.is_replicate() else c for p, c in zip(t.placements, coordinate, strict=True))
+        same = {int(r) for r in mesh.mesh[index].flatten().tolist()}
+        group = same if group is None else group & same
+    return tuple(sorted(group)) if group else (rank,)

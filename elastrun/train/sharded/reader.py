@@ -17,6 +17,7 @@ import io
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,8 +35,17 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from elastrun.train import dist as edist
+from elastrun.train import snapclient
 from elastrun.train.sharded import slots
-from elastrun.train.sharded.fetch import FileRef, GroupTransport, LocalFile, PeerTransport, Resolver, Want
+from elastrun.train.sharded.fetch import (
+    FileRef,
+    GroupTransport,
+    LocalFile,
+    PeerTransport,
+    Resolver,
+    ServerTransport,
+    Want,
+)
 from elastrun.train.sharded.layout import Entry
 
 BYTES = "bytes"  # the dtype of an entry that holds a pickled (torch.save'd) non-tensor value
@@ -124,13 +134,13 @@ def read_items(
     where: dict[MetadataIndex, Location],
     resolver: Resolver,
     transport: PeerTransport,
-    failed: set[FileRef],
+    failed: set[tuple[int, FileRef]],
 ) -> set[FileRef]:
     """Copy every item of ``plan`` into the planner's tensors; returns the files fetched from peers.
 
     Collective through ``transport`` (called once, also when nothing is fetched).  A local read
     that fails still lets the exchange complete before its error is raised; the files that failed
-    here are added to ``failed``.
+    here are added to ``failed`` as ``(this rank, file)``.
     """
     wants: list[Want] = []
     pending: list[tuple[ReadItem, Location, torch.Tensor, bool, torch.Tensor | None]] = []
@@ -155,7 +165,7 @@ def read_items(
             wants.append(Want(source, loc.ref, start, nbytes, into))
             pending.append((item, loc, into, exact, target if direct else None))
         except (OSError, ValueError, KeyError) as e:
-            failed.add(loc.ref)
+            failed.add((resolver.me, loc.ref))
             error = error or e
     transport.fetch(wants, resolver.serve)
     if error is not None:
@@ -200,12 +210,16 @@ class SnapshotReader(StorageReader):
         self.transport = transport
         #: Files this rank fetched from peers in the last read (empty: all from its node's memory).
         self.fetched: set[FileRef] = set()
-        #: Files of this node that could not be read (by this rank, or when a peer asked for them).
-        self.failed: set[FileRef] = set()
+        #: ``(holder rank, file)``: copies that could not be read (here, by a peer from this node, or
+        #: from a peer's node).
+        self.failed: set[tuple[int, FileRef]] = set()
+        #: Old rank -> where this rank read that rank's file from (``Resolver.describe``).
+        self.sources: dict[int, str] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.fetched = set()
         self.failed = set()
+        self.sources = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self.metadata
@@ -220,8 +234,10 @@ class SnapshotReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        refs = {self.where[item.storage_index].ref for item in plan.items}
         try:
             self.fetched = read_items(plan, planner, self.where, self.resolver, self.transport, self.failed)
+            self.sources = {ref.rank: self.resolver.describe(ref) for ref in sorted(refs)}
         finally:
             self.failed |= self.transport.failed
         fut: Future[None] = Future()
@@ -239,13 +255,17 @@ def open_step(
 ) -> tuple[SnapshotReader | None, dict[int, dict[str, Any]], set[tuple]]:
     """The reader of one step's shard snapshots, agreed by every rank (collective).
 
-    ``holders`` (the same on every rank) names, for each old rank, the new ranks whose node holds
-    its file; the lowest of them tells the others the file's header.  Returns the reader and the
-    headers, or ``(None, {}, failed)`` with ``("mem", node, step, old rank)`` for every file a holder
-    could not read after all (every rank gets the same answer).
+    ``holders`` (the same on every rank) names, for each old rank whose file is read, the new ranks
+    whose node holds it (its own file or a replica); the lowest of them tells the others the file's
+    header.  Old ranks absent from ``holders`` have twins among the others (HSDP: the same chunks).
+    Returns the reader and the headers, or ``(None, {}, failed)`` with ``("mem", node, step, old
+    rank)`` for every file a holder could not read after all (every rank gets the same answer).
+    The ranges held by other nodes come from their snapshot servers when every rank has one,
+    else over the process group.
     """  # fmt: skip
     me = dist.get_rank() if edist.active() else 0
-    mine = {f.rank: f for f in slots.scan(directory, run_id, kind) if f.step == step and f.world_size == world_size}
+    mine = {f.rank: f for f in slots.scan_node(Path(directory), run_id, kind)
+            if f.step == step and f.world_size == world_size}  # fmt: skip
     provided, missing = {}, set()
     for old, hs in holders.items():
         if hs[0] == me:
@@ -253,14 +273,21 @@ def open_step(
                 provided[old] = mine[old].header
             else:
                 missing.add(("mem", node, step, old))
+    ids = {old: (f.where, f.name, f.meta_crc) for old, f in mine.items()}
     headers: dict[int, dict[str, Any]] = {}
-    for part, gone in edist.all_gather((provided, missing)):
+    servers: dict[int, str | None] = {}
+    files: dict[tuple[int, FileRef], tuple[str, str, int]] = {}
+    for rank, (part, gone, their_ids, server) in enumerate(edist.all_gather((provided, missing, ids,
+                                                                             snapclient.my_server()))):
         headers.update(part)
         missing |= gone
+        servers[rank] = server
+        files.update({(rank, FileRef(old, step)): i for old, i in their_ids.items()})
     if missing:
         return None, {}, missing
-    local = {FileRef(old, step): LocalFile(f.data, f.header["nbytes"]) for old, f in mine.items()}
-    resolver = Resolver(local, {FileRef(old, step): hs for old, hs in holders.items()}, me)
+    local = {FileRef(old, step): LocalFile(f.data, f.header["nbytes"], f.sums) for old, f in mine.items()}
+    replicas = {key for key, (where, _, _) in files.items() if where}
+    resolver = Resolver(local, {FileRef(old, step): hs for old, hs in holders.items()}, me, replicas)
 
     def choose(key: str, ranks: list[int]) -> int:  # its own old rank, else a local copy, else the lowest
         if me in ranks:
@@ -269,4 +296,9 @@ def open_step(
         return min(here or ranks)
 
     metadata, where = dcp_metadata(headers, choose)
-    return SnapshotReader(metadata, where, resolver, GroupTransport()), headers, set()
+    transport: PeerTransport
+    if all(servers.values()):
+        transport = ServerTransport({r: s for r, s in servers.items() if s}, files, snapclient.job_key())
+    else:
+        transport = GroupTransport()
+    return SnapshotReader(metadata, where, resolver, transport), headers, set()

@@ -9,15 +9,17 @@ state's ``shared.<slot>.*`` files of data-parallel jobs:
   job id, step, world size, rank, size of the data, the entries (key, dtype, global size, chunk
   offsets and shape, byte offset) and the skeleton of the non-tensor state.
 
-The pair is self-describing: a byte-for-byte copy of both files into another node's snapshot
-directory is a valid replica there (what peer replication needs).  The union of the meta files of
-ranks ``0..world_size-1`` at one step is a DCP checkpoint's metadata
+The pair is self-describing: a byte-for-byte copy of both files is a valid replica on another
+node.  The agents make such copies (``replicas/<source node>/``, with a ``.sum`` file of block CRCs:
+``elastrun/peer/replicas.py``); :func:`scan_node` lists a node's own files and its replicas.  The
+union of the meta files of ranks ``0..world_size-1`` at one step is a DCP checkpoint's metadata
 (:func:`elastrun.train.sharded.reader.dcp_metadata`).
 
 Slots are written as for the replicated state (``elastrun/train/snapshot.py``): the oldest unpinned
 slot is claimed, its meta unlinked before its data is overwritten, the meta renamed into place
-after the copy.  A meta whose CRC does not match, a data file shorter than the meta says, or a
-meta of another job is ignored.
+after the copy.  A slot being copied to other nodes is *held*: it is overwritten only when no
+other slot is free.  A meta whose CRC does not match, a data file shorter than the meta says, a
+meta of another job, or a replica without valid CRCs is ignored.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 import torch
 
+from elastrun.peer.replicas import REPLICAS, Sums, replica_dirs
 from elastrun.train.snapshot import MemorySnapshots
 
 #: ``State``'s snapshots; :mod:`elastrun.train.sharded.storage` writes kind ``dcp`` for ``dcp.save``.
@@ -47,7 +50,24 @@ class ShardSlots(MemorySnapshots):
         self.rank = rank
         self.kind = kind
         self._prefix = prefix(rank, kind)
+        self._held: set[int] = set()
         super().__init__(directory, run_id)
+
+    def name(self, slot: int) -> str:
+        """The slot's name (``<name>.data``, ``<name>.meta``), by which snapshot servers serve it."""
+        return f"{self._prefix}.{slot}"
+
+    def hold(self, slot: int) -> None:
+        """Keep ``slot`` while it is being (or was last) copied to other nodes, if another is free."""
+        with self._lock:
+            self._held.add(slot)
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self._held.discard(slot)
+
+    def _choose(self, free: list[int]) -> int:
+        return super()._choose([s for s in free if s not in self._held] or free)
 
     def _data_path(self, slot: int) -> Path:
         return self.dir / f"{self._prefix}.{slot}.data"
@@ -75,9 +95,16 @@ class ShardFile:
     world_size: int
     header: dict[str, Any]
     data: Path
+    meta_crc: int = 0
+    where: str = ""  # "" (written on this node) or "replicas/<source node>"
+    sums: Sums | None = None  # a replica's block CRCs
+
+    @property
+    def name(self) -> str:
+        return self.data.name.removesuffix(".data")
 
 
-def scan(directory: Path, run_id: str, kind: str = "shard") -> list[ShardFile]:
+def scan(directory: Path, run_id: str, kind: str = "shard", where: str = "") -> list[ShardFile]:
     """Every complete shard snapshot of ``kind`` in ``directory`` (any rank, any step)."""
     found = []
     try:
@@ -90,28 +117,45 @@ def scan(directory: Path, run_id: str, kind: str = "shard") -> list[ShardFile]:
         reader = ShardSlots(directory, run_id, rank, kind)
         for info in reader.scan():
             data = reader._data_path(info.slot)
-            found.append(ShardFile(rank, info.slot, info.step, info.world_size, info.header, data))
+            sums = None
+            if where:  # a replica counts only with CRCs of the same generation covering all of it
+                sums = Sums.read(data.with_suffix(".sum"))
+                if sums is None or sums.meta_crc != info.meta_crc or sums.nbytes != info.header["nbytes"]:
+                    continue
+            found.append(ShardFile(rank, info.slot, info.step, info.world_size, info.header, data, info.meta_crc,
+                                   where, sums))  # fmt: skip
+        reader.close()
     return found
 
 
+def scan_node(snapshot_dir: Path, run_id: str, kind: str = "shard") -> list[ShardFile]:
+    """The node's own shard snapshots and the replicas it holds for other nodes; a file it has both
+    ways (same rank, step and world size) is listed once, its own copy."""
+    found = {(f.rank, f.step, f.world_size): f for f in scan(snapshot_dir, run_id, kind)}
+    for d in replica_dirs(snapshot_dir):
+        for f in scan(d, run_id, kind, f"{REPLICAS}/{d.name}"):
+            found.setdefault((f.rank, f.step, f.world_size), f)
+    return list(found.values())
+
+
+def _directories(snapshot_dir: Path) -> list[Path]:
+    return [Path(snapshot_dir), *replica_dirs(snapshot_dir)]
+
+
 def prune(directory: Path, run_id: str, world_size: int, below_step: int, kind: str = "shard") -> None:
-    """Remove snapshots of other world sizes older than ``below_step`` (never needed again once
-    every rank of this world committed a newer step), the meta first."""
-    for f in scan(directory, run_id, kind):
-        if f.world_size != world_size and f.step < below_step:
-            for path in (f.data.with_suffix(".meta"), f.data):
-                try:
-                    path.unlink()
-                except FileNotFoundError:
-                    pass
+    """Remove snapshots and replicas of other world sizes older than ``below_step`` (never needed
+    again once every rank of this world committed a newer step), the meta first."""
+    for d in _directories(directory):
+        for f in scan(d, run_id, kind):
+            if f.world_size != world_size and f.step < below_step:
+                for path in (f.data.with_suffix(".meta"), f.data.with_suffix(".sum"), f.data):
+                    path.unlink(missing_ok=True)
 
 
 def drop_newer(directory: Path, run_id: str, step: int, kind: str = "shard") -> None:
-    """Unpublish every shard snapshot of this node newer than ``step``: after a restore to
-    ``step`` they belong to an abandoned timeline and must never be mixed with new ones."""
-    for f in scan(directory, run_id, kind):
-        if f.step > step:
-            try:
-                f.data.with_suffix(".meta").unlink()
-            except FileNotFoundError:
-                pass
+    """Unpublish every shard snapshot and replica of this node newer than ``step``: after a restore
+    to ``step`` they belong to an abandoned timeline and must never be mixed with new ones."""
+    for d in _directories(directory):
+        for f in scan(d, run_id, kind):
+            if f.step > step:
+                f.data.with_suffix(".meta").unlink(missing_ok=True)

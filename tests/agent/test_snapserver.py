@@ -1,0 +1,173 @@
+"""The agent's snapshot server, its replicator and the workers' client, in-process over loopback:
+ranges served from node memory, replicas pushed and checked, and clients without the token
+refused (issue 24)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+import pytest
+import torch
+
+from elastrun.agent.replicator import Replicator
+from elastrun.agent.snapserver import SnapshotServer, snapshot_key
+from elastrun.peer import wire
+from elastrun.peer.replicas import BLOCK, PushRequest, PushStatus, push_path, status_path
+from elastrun.train.sharded import slots
+from elastrun.train.sharded.layout import lay_out
+from elastrun.train.snapclient import Get, SnapshotClient, writable
+
+KEY = snapshot_key(b"a-job-token-of-some-length", "job")
+
+
+def publish(directory, rank: int, step: int, nbytes: int) -> tuple[slots.ShardSlots, int, int, torch.Tensor]:
+    """A real shard slot of ``nbytes`` random bytes; returns (slots, slot, meta CRC, the bytes)."""
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    entries, _, size = lay_out({"model.w": data})
+    mem = slots.ShardSlots(directory, "job", rank)
+    slot, buf, view = mem.begin(size)
+    buf[:nbytes].copy_(data)
+    del buf
+    view.release()
+    header = {"step": step, "world_size": 2, "rank": rank, "nbytes": size,
+              "entries": [dataclasses.astuple(e) for e in entries], "skeleton": b""}  # fmt: skip
+    return mem, slot, mem.publish(slot, header), data
+
+
+@pytest.fixture
+def servers(tmp_path):
+    made = []
+
+    def make(name: str, key: bytes | None = KEY, bind: str = "127.0.0.1") -> SnapshotServer:
+        d = tmp_path / name
+        d.mkdir()
+        server = SnapshotServer(d, key, (bind, 0), "127.0.0.1")
+        server.start()
+        made.append(server)
+        return server
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_ranges_are_served_from_node_memory_into_their_destination(servers):
+    a = servers("a")
+    mem, slot, crc, data = publish(a.dir, 3, 7, 3 * BLOCK + 123)
+    into = torch.zeros(data.numel(), dtype=torch.uint8)
+    half = data.numel() // 2
+    with SnapshotClient(a.address, KEY) as client:
+        errors = client.get([Get("", mem.name(slot), crc, 0, half, writable(into[:half])),
+                             Get("", mem.name(slot), crc, half, data.numel() - half, writable(into[half:]))])
+        assert errors == [None, None]
+        assert torch.equal(into, data)
+        # a generation the plan did not see (the slot was rewritten since) is refused, not served
+        [error] = client.get([Get("", mem.name(slot), crc ^ 1, 0, 8, writable(into[:8]))])
+        assert "not here any more" in error
+        [error] = client.get([Get("", mem.name(slot), crc, 0, 10 * BLOCK, writable(torch.empty(10 * BLOCK,
+                                                                                              dtype=torch.uint8)))])
+        assert "truncated" in error
+    mem.close()
+
+
+def test_a_replica_is_pushed_checked_and_served_and_a_corrupt_one_refused(servers, tmp_path):
+    a, b = servers("a"), servers("b")
+    mem, slot, crc, data = publish(a.dir, 1, 5, 2 * BLOCK + 77)
+    nbytes = mem.scan()[0].header["nbytes"]
+    PushRequest("shard", 1, mem.name(slot), 5, 2, nbytes, crc, [b.address]).write(a.dir)
+    rep = Replicator(a.dir, KEY, "node-a", warn=pytest.fail)
+    status = rep.push(push_path(a.dir, "shard", 1))
+    rep.close()
+    assert status is not None and status.ok, status
+    assert not push_path(a.dir, "shard", 1).exists()
+    assert PushStatus.read(status_path(a.dir, "shard", 1)) == status
+    [replica] = slots.scan_node(b.dir, "job")
+    assert (replica.rank, replica.step, replica.where, replica.meta_crc) == (1, 5, "replicas/node-a", crc)
+    assert replica.data.read_bytes()[: data.numel()] == bytes(data.numpy())
+
+    into = torch.zeros(nbytes, dtype=torch.uint8)
+    with SnapshotClient(b.address, KEY) as client:
+        assert client.get([Get(replica.where, replica.name, crc, 0, nbytes, writable(into))]) == [None]
+        assert torch.equal(into[: data.numel()], data)
+        with open(replica.data, "r+b") as f:  # a flipped byte in the second block
+            f.seek(BLOCK + 5)
+            byte = f.read(1)
+            f.seek(BLOCK + 5)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        [error] = client.get([Get(replica.where, replica.name, crc, BLOCK, 16, writable(into[:16]))])
+        assert "corrupt replica" in error
+        # the first block is intact: a range inside it is still served
+        assert client.get([Get(replica.where, replica.name, crc, 0, 16, writable(into[:16]))]) == [None]
+    os.truncate(replica.data, BLOCK)  # a truncated replica is not listed at all
+    assert slots.scan_node(b.dir, "job") == []
+    mem.close()
+
+
+def test_the_two_newest_replicas_of_a_rank_are_kept(servers):
+    a, b = servers("a"), servers("b")
+    rep = Replicator(a.dir, KEY, "node-a", warn=pytest.fail)
+    mem = None
+    for step in (1, 2, 3):
+        mem, slot, crc, _ = publish(a.dir, 0, step, 1000)
+        PushRequest("shard", 0, mem.name(slot), step, 2, mem.scan()[0].header["nbytes"], crc, [b.address]).write(a.dir)
+        assert rep.push(push_path(a.dir, "shard", 0)).ok
+        mem.close()
+    rep.close()
+    assert sorted(f.step for f in slots.scan_node(b.dir, "job")) == [2, 3]
+
+
+def test_clients_without_the_token_read_nothing(servers):
+    a = servers("a", bind="")
+    mem, slot, crc, _ = publish(a.dir, 0, 1, 4096)
+    port = wire.split_address(a.address)[1]
+    with pytest.raises(wire.PeerError, match="requires the job token"):
+        SnapshotClient(a.address, None)
+    with pytest.raises(wire.PeerError, match="could not prove the job token"):
+        SnapshotClient(a.address, snapshot_key(b"another-token-of-some-length", "job"))
+    for hostile in ({"op": "get", "where": "", "name": mem.name(slot), "part": "meta"},  # no handshake
+                    {"hello": wire.PROTOCOL, "nonce": "n", "auth": True, "proof": "0" * 64}):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            wire.send_msg(s, hostile)
+            reply = wire.recv_msg(s)
+            assert "error" in reply or set(reply) == {"nonce", "proof"}, reply
+            if "error" not in reply:  # a guessed proof: refused, and nothing else is answered
+                wire.send_msg(s, {"proof": "0" * 64})
+                assert "error" in wire.recv_msg(s)
+            with pytest.raises((wire.PeerError, OSError)):
+                wire.send_msg(s, {"op": "get", "where": "", "name": mem.name(slot), "part": "meta"})
+                wire.recv_msg(s)
+    # a path outside the snapshot directory cannot even be named
+    with SnapshotClient(a.address, KEY) as client:
+        with pytest.raises(wire.PeerError, match="no such snapshot file"):
+            client.meta("replicas/../..", "shard.r0.0")
+    mem.close()
+
+
+def test_without_a_token_the_server_listens_on_its_own_address_only(servers):
+    a = servers("a", key=None)
+    port = wire.split_address(a.address)[1]
+    with SnapshotClient(a.address, None):
+        pass
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()
+    with pytest.raises(wire.PeerError, match="runs without a job token"):
+        SnapshotClient(a.address, KEY)
+
+
+def test_fetch_spreads_ranges_over_parallel_connections(servers, monkeypatch):
+    """A fetch cuts ranges into pieces over several connections; each get gets its own answer."""
+    from elastrun.train import snapclient
+
+    monkeypatch.setattr(snapclient, "PIECE", 1 << 20)
+    a = servers("a")
+    mem, slot, crc, data = publish(a.dir, 0, 1, 5 * (1 << 20) + 3)
+    into = torch.zeros(data.numel(), dtype=torch.uint8)
+    bad = torch.zeros(8, dtype=torch.uint8)
+    gets = [Get("", mem.name(slot), crc, 0, data.numel(), writable(into)),
+            Get("", mem.name(slot), crc ^ 1, 0, 8, writable(bad))]  # fmt: skip
+    errors = snapclient.fetch(a.address, KEY, gets, streams=3)
+    assert errors[0] is None and "not here any more" in errors[1]
+    assert torch.equal(into, data)
+    mem.close()
