@@ -9,8 +9,9 @@ in millions, 100), BATCH (8), STEPS (100000), CRASH_AT_STEP/CRASH_RANK/CRASH_ONC
 there, once: the file's mtime is the crash).
 
 ``FSDP=1`` (issue 24): the model is ``bench_sharded.make_model`` (FSDP2, ``fully_shard`` per layer)
-with AdamW and a durable DCP checkpoint every 5 steps in ``CKPT``; under ``MODE=reform`` it is built
-and sharded inside the training body and handed over with ``state.attach`` (the et.run shape).
+with AdamW and a durable DCP checkpoint every 5 steps in ``CKPT``, built and sharded on the meta device
+(docs/train.md's shape; initialised only on a fresh start); under ``MODE=reform`` inside the training
+body and handed over with ``state.attach`` (the et.run shape).
 """
 
 import json
@@ -84,8 +85,17 @@ def sharded(size: int, emit) -> None:
     reform = os.environ.get("MODE", "reform") == "reform"
 
     def build():
-        model = make_sharded(size)
+        """The documented shape (docs/train.md): built and sharded on the meta device, then given
+        storage; its weights come from the restore, or from ``init`` on a fresh start."""
+        with torch.device("meta"):
+            model = make_sharded(size)
+        model.to_empty(device="cpu")
         return model, torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+    def init(model) -> None:
+        torch.manual_seed(0)
+        for layer in model:
+            layer.reset_parameters()
 
     def loop(state: et.State, model) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -110,7 +120,8 @@ def sharded(size: int, emit) -> None:
 
         def train(state: et.State) -> None:
             model, opt = build()
-            state.attach(model, opt)
+            if state.attach(model, opt) is None:  # nothing saved yet: a fresh start
+                init(model)
             loop(state, model)
 
         et.run(train, state)
@@ -118,7 +129,8 @@ def sharded(size: int, emit) -> None:
         et.init_distributed()
         model, opt = build()
         state = et.State(model=model, optimizer=opt, **ckpt)
-        state.restore()
+        if state.restore() is None:
+            init(model)
         loop(state, model)
 
 
