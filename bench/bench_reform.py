@@ -98,6 +98,22 @@ def kept(t: Trial, after: float) -> str:
     return ",".join(sorted({e.get("source") or "-" for e in t.events() if e["ev"] == "restored" and e["t"] > after}))
 
 
+def split_first_step(t: Trial, world: int, after: float, back: float | None) -> dict:
+    """Where the time to the first step at ``world`` went, from the workload's own lines: until every
+    rank's restore returned (the re-form or restart, the model's build, the restore), and the first
+    step itself (its compute and its commit), so a slow step on this CPU is not read as recovery."""
+    restored: dict[int, float] = {}
+    first: dict[int, float] = {}
+    for e in sorted(t.events(), key=lambda e: e["t"]):
+        if e["ev"] == "restored" and e["world"] == world and e["t"] > after:
+            restored.setdefault(e["rank"], e["t"])
+        if e["ev"] == "step" and e["world"] == world and e["t"] > after:
+            first.setdefault(e["rank"], e["t0"])
+    if back is None or len(restored) < world or len(first) < world:
+        return {}
+    return {"until restored": max(restored.values()) - after, "first step itself": back - max(first.values())}
+
+
 def crash(way: str) -> dict:
     t = trial(f"reform-crash-{way}", way, CRASH_AT_STEP="6", CRASH_RANK="1")
     once = t.dir / "crashed"
@@ -138,6 +154,7 @@ def loss(way: str) -> dict:
         if seen is not None and back is not None:
             out["detection"] = seen["ts"] - killed
             out["after detection"] = back - seen["ts"]
+        out.update(split_first_step(t, 1, killed, back))
         return out
     finally:
         t.close()
@@ -159,6 +176,7 @@ def join(way: str) -> dict:
         started = first_event(logs, "worker_start", joined) if way != "torchrun" else None
         if started is not None and back is not None:
             out["from joiner ready"] = back - started["ts"]
+        out.update(split_first_step(t, 2, joined, back))
         return out
     finally:
         t.close()
