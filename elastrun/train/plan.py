@@ -28,6 +28,7 @@ and a live rank can be the sender of ``peer``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -61,7 +62,7 @@ def _holders(reports: list[Report], step: int, excluded: set[tuple]) -> tuple[li
     return mem, disk
 
 
-def _rng_holders(reports: list[Report], step: int, ranks: int, excluded: set[tuple]) -> dict[int, int]:
+def _rng_holders(reports: list[Any], step: int, ranks: int, excluded: set[tuple]) -> dict[int, int]:
     out: dict[int, int] = {}
     for k in range(ranks):
         have = [
@@ -72,6 +73,26 @@ def _rng_holders(reports: list[Report], step: int, ranks: int, excluded: set[tup
         if have:
             out[k] = k if k in have else min(have)
     return out
+
+
+def pick_step(reports: list[Any], saved_ws: dict[int, int], excluded: set[tuple]) -> tuple[int, dict[int, int]]:
+    """Rule 2 for any state: the newest saved step, or the one before it when only that one has every
+    needed rank's RNG state; with the RNG holders of the step picked (``reports``: each with ``rank``,
+    ``mem_rng`` and ``disk_rng``; ``saved_ws``: step -> world size, not empty)."""
+    world = len(reports)
+
+    def rng_complete(step: int) -> tuple[bool, dict[int, int]]:
+        needed = min(world, saved_ws[step])
+        holders = _rng_holders(reports, step, needed, excluded)
+        return len(holders) == needed, holders
+
+    step = max(saved_ws)
+    complete, holders = rng_complete(step)
+    if not complete and step - 1 in saved_ws:
+        prev_complete, prev_holders = rng_complete(step - 1)
+        if prev_complete:
+            step, holders = step - 1, prev_holders
+    return step, holders
 
 
 def make_plan(reports: list[Report], excluded: set[tuple] | None = None) -> Plan | None:
@@ -91,17 +112,7 @@ def make_plan(reports: list[Report], excluded: set[tuple] | None = None) -> Plan
     if not saved_ws:
         return None
 
-    def rng_complete(step: int) -> tuple[bool, dict[int, int]]:
-        needed = min(world, saved_ws[step])
-        holders = _rng_holders(reports, step, needed, excluded)
-        return len(holders) == needed, holders
-
-    step = max(saved_ws)
-    complete, holders = rng_complete(step)
-    if not complete and step - 1 in saved_ws:
-        prev_complete, prev_holders = rng_complete(step - 1)
-        if prev_complete:
-            step, holders = step - 1, prev_holders
+    step, holders = pick_step(reports, saved_ws, excluded)
     mem, disk = _holders(reports, step, excluded)
     if len(mem) == world:
         live = any(step in r.live for r in reports)

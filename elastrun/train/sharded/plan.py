@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from elastrun.train.plan import _rng_holders
+from elastrun.train.plan import pick_step
 
 
 @dataclass
@@ -99,7 +99,6 @@ def lost(reports: list[ShardReport], excluded: set[tuple], below: int | None) ->
 def make_plan(reports: list[ShardReport], excluded: set[tuple] | None = None) -> ShardPlan | None:
     """The restore every rank agrees on, or None for a fresh start (nothing complete anywhere)."""
     excluded = excluded or set()
-    world = len(reports)
     mem = memory_steps(reports, excluded)
     disk: dict[int, int] = {}
     for r in reports:
@@ -109,18 +108,7 @@ def make_plan(reports: list[ShardReport], excluded: set[tuple] | None = None) ->
     saved = {**disk, **{s: ws for s, (ws, _) in mem.items()}}
     if not saved:
         return None
-
-    def rng(step: int) -> tuple[bool, dict[int, int]]:
-        needed = min(world, saved[step])
-        holders = _rng_holders(reports, step, needed, excluded)  # type: ignore[arg-type]
-        return len(holders) == needed, holders
-
-    step = max(saved)
-    complete, holders = rng(step)
-    if not complete and step - 1 in saved:
-        prev_complete, prev_holders = rng(step - 1)
-        if prev_complete:
-            step, holders = step - 1, prev_holders
+    step, holders = pick_step(reports, saved, excluded)
     if step in mem:
         ws, shard_holders = mem[step]
         return ShardPlan(step, "memory", ws, shard_holders, holders, lost(reports, excluded, step))
