@@ -28,6 +28,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from elastrun.observe import steplog
 from elastrun.train import dist as edist
 from elastrun.train import notes, reform, rng, sharded
 from elastrun.train.background import BackgroundJob
-from elastrun.train.blob import copy_into, flatten, make_header
+from elastrun.train.blob import Flattened, copy_into, flatten, make_header
 from elastrun.train.checkpoint import CheckpointDir
 from elastrun.train.copier import SnapshotCopy
 from elastrun.train.reformable import Reformable
@@ -312,28 +313,55 @@ class State(Restorer, Reformable):
         them, and its pre-hook completes the copy first); every other tensor is cloned now.
         """
         flat = flatten(self._tree())
-        if background:
-            stable = self._stable_ptrs()
+        header = make_header(flat, step=self.step, world_size=self._world_size)
+
+        def published(slot: int, crc: int) -> None:
+            if persist:
+                self._persist(slot, header, must=stop)
+
+        self._write_slot(self._mem, flat, header, self._stable_ptrs() if background else None, published)
+
+    def _write_slot(
+        self,
+        mem: MemorySnapshots,
+        flat: Flattened,
+        header: dict[str, Any],
+        stable: set[int] | None,
+        published: Callable[[int, int], None],
+        failed: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Copy ``flat`` into a free slot of ``mem`` and publish it with ``header``, then call
+        ``published(slot, meta CRC)``; ``failed()`` if the copy fails.  The snapshot pipeline of the
+        replicated and the sharded states alike.
+
+        ``stable`` (the addresses of parameters and optimizer state) is given for a copy in the
+        background: those tensors are copied straight from where they live, on the snapshot writer,
+        while the next step's forward and backward run (only ``optimizer.step()`` changes them, and
+        its pre-hook completes the copy first); every other tensor is cloned now.  ``None``: the
+        copy is made now, on this thread.
+        """
+        if stable is not None:
             for i, t in enumerate(flat.tensors):
                 if t.numel() and not (t.data_ptr() in stable and t.is_contiguous()):
                     flat.tensors[i] = t.clone()  # forward may change it before the copy runs
-        header = make_header(flat, step=self.step, world_size=self._world_size)
-        slot, buf, view = self._mem.begin(flat.nbytes)
-        copy = SnapshotCopy(flat, buf) if background else None
+        slot, buf, view = mem.begin(flat.nbytes)
+        copy = SnapshotCopy(flat, buf) if stable is not None else None
 
         def complete() -> None:
             nonlocal buf
-            if copy is None:
-                copy_into(flat, buf)
-            else:
-                if copy.device_indices:
-                    copy_into(flat, buf, copy.device_indices)
-                copy.wait()
+            try:
+                if copy is None:
+                    copy_into(flat, buf)
+                else:
+                    if copy.device_indices:
+                        copy_into(flat, buf, copy.device_indices)
+                    copy.wait()
+            except BaseException:
+                failed()
+                raise
             del buf
             view.release()
-            self._mem.publish(slot, header)
-            if persist:
-                self._persist(slot, header, must=stop)
+            published(slot, mem.publish(slot, header))
 
         if copy is None:
             complete()
@@ -342,17 +370,24 @@ class State(Restorer, Reformable):
         self._copy = copy
         self._writer.submit(complete)
 
+    def _persist_skipped(self, step: int, must: bool, stacklevel: int) -> bool:
+        """Whether the checkpoint of ``step`` is skipped: the previous one is still being written and
+        nothing (a pre-emption) forces this one.  Warns once per State."""
+        if not self._persister.busy() or must:
+            return False
+        if not self._skipped_warned:
+            self._skipped_warned = True
+            notes.warn(
+                f"checkpoint of step {step} skipped: the previous one is still being written "
+                "(raise checkpoint_every); this warning is shown once",
+                stacklevel=stacklevel + 1,
+            )
+        return True
+
     def _persist(self, slot: int, header: dict[str, Any], must: bool) -> None:
         """Queue the durable checkpoint of a just-published slot (skipped if one is still running)."""
         assert self._ckpt is not None
-        if self._persister.busy() and not must:
-            if not self._skipped_warned:
-                self._skipped_warned = True
-                notes.warn(
-                    f"checkpoint of step {header['step']} skipped: the previous one is still being written "
-                    "(raise checkpoint_every); this warning is shown once",
-                    stacklevel=2,
-                )
+        if self._persist_skipped(header["step"], must, stacklevel=2):
             return
         ckpt, mem, step, ws, rank = self._ckpt, self._mem, header["step"], header["world_size"], self._rank
         payload = mem.read_rng(rank, step) or b""

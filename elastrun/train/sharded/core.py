@@ -33,9 +33,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from elastrun.train import dist as edist
 from elastrun.train import notes, reform, snapclient
 from elastrun.train.blob import Entry as BlobEntry
-from elastrun.train.blob import Flattened, copy_into
+from elastrun.train.blob import Flattened
 from elastrun.train.checkpoint import DiskCandidate
-from elastrun.train.copier import SnapshotCopy
 from elastrun.train.sharded import durable, slots
 from elastrun.train.sharded.copies import Copies
 from elastrun.train.sharded.layout import (
@@ -170,10 +169,6 @@ class ShardedState:
             self._entries = [dataclasses.astuple(e) for e in entries]
             self._stable = self._stable_ptrs()
             self._twins = twins(tensors.values(), st._rank)
-        if background:
-            for i, t in enumerate(locals_):
-                if t.numel() and not (t.data_ptr() in self._stable and t.is_contiguous()):
-                    locals_[i] = t.clone()  # forward may change it before the copy runs
         flat = Flattened(None, locals_, [BlobEntry(e.dtype, e.chunk, e.offset, e.nbytes) for e in entries], nbytes)
         header = {
             "format": FORMAT, "step": st.step, "world_size": st._world_size, "rank": st._rank, "nbytes": nbytes,
@@ -181,27 +176,10 @@ class ShardedState:
             "skeleton": pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL),
         }  # fmt: skip
         mem = self.slots()
-        slot, buf, view = mem.begin(nbytes)
-        copy = SnapshotCopy(flat, buf) if background else None
         prune = st._local_rank == 0 and st.step % PRUNE_EVERY == 0
         marked = copy_step and self.copies.mark()
 
-        def complete() -> None:
-            nonlocal buf
-            try:
-                if copy is None:
-                    copy_into(flat, buf)
-                else:
-                    if copy.device_indices:
-                        copy_into(flat, buf, copy.device_indices)
-                    copy.wait()
-            except BaseException:
-                if marked:
-                    self.copies.cancel()
-                raise
-            del buf
-            view.release()
-            crc = mem.publish(slot, header)
+        def published(slot: int, crc: int) -> None:
             if marked:
                 self.copies.request(mem, slot, header, crc)
             if persist:
@@ -209,25 +187,19 @@ class ShardedState:
             if prune:  # every rank has published step - 2 by now (see slots.prune)
                 slots.prune(mem.dir, mem.run_id, header["world_size"], header["step"] - 2)
 
-        if copy is None:
-            complete()
-            return
-        copy.start()
-        st._copy = copy
-        st._writer.submit(complete)
+        failed = self.copies.cancel if marked else (lambda: None)  # a marked step's request will not come
+        try:
+            st._write_slot(mem, flat, header, self._stable if background else None, published, failed)
+        except BaseException:  # before the copy began (no slot): the same
+            if marked:
+                self.copies.cancel()
+            raise
 
     def _persist(self, slot: int, header: dict[str, Any], must: bool) -> None:
         """Queue this rank's part of the DCP checkpoint of a just-published slot."""
         st = self.st
         assert st._ckpt is not None
-        if st._persister.busy() and not must:
-            if not st._skipped_warned:
-                st._skipped_warned = True
-                notes.warn(
-                    f"checkpoint of step {header['step']} skipped: the previous one is still being written "
-                    "(raise checkpoint_every); this warning is shown once",
-                    stacklevel=3,
-                )
+        if st._persist_skipped(header["step"], must, stacklevel=3):
             return
         ckpt, mem, step, ws, rank = st._ckpt, self.slots(), header["step"], header["world_size"], header["rank"]
         payload = st._mem.read_rng(rank, step) or b""
