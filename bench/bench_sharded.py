@@ -34,9 +34,7 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import elastrun.train as et  # noqa: E402
+from bench.common import run_ranks  # noqa: E402
 from elastrun.train.snapclient import STREAMS  # noqa: E402
 
 BATCH = 32
@@ -212,26 +211,13 @@ def rate(transfer: dict | None) -> str:
 
 def run_job(a: argparse.Namespace, role: str, snaps: list[Path], extra: list[str],
             envs: list[dict[str, str]] | None = None) -> list[dict]:  # fmt: skip
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank, snap in enumerate(snaps):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(len(snaps)), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="bench-sharded", OMP_NUM_THREADS="1",
-                   **(envs[rank] if envs else {}))  # fmt: skip
-        cmd = [sys.executable, __file__, "--worker", role, "--snap", str(snap), "--million", str(a.million),
-               "--rounds", str(a.rounds), "--copies", str(a.copies), *extra]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
-    try:
-        outs = [p.communicate(timeout=900)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"{role} job failed: {[p.returncode for p in procs]}")
+    argvs = [[sys.executable, __file__, "--worker", role, "--snap", str(snap), "--million", str(a.million),
+              "--rounds", str(a.rounds), "--copies", str(a.copies), *extra] for snap in snaps]  # fmt: skip
+    ran = run_ranks(argvs, [dict(TORCHELASTIC_RUN_ID="bench-sharded", **(envs[r] if envs else {}))
+                            for r in range(len(snaps))], timeout=900)  # fmt: skip
+    if any(code for code, _ in ran):
+        raise RuntimeError(f"{role} job failed: {[code for code, _ in ran]}")
+    outs = [out for _, out in ran]
     return [json.loads(o.strip().splitlines()[-1]) for o in outs]
 
 

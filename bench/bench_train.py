@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import elastrun.train as et  # noqa: E402
+from bench.common import run_ranks  # noqa: E402
 
 
 def make_model(million: int) -> torch.nn.Module:
@@ -132,24 +131,11 @@ def peer_worker(million: int, snapshot_dir: str, ckpt: str) -> None:
 
 
 def bench_peer(million: int, work: Path) -> tuple[str, float]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     empty = work / "shm-empty"
     empty.mkdir(exist_ok=True)
-    procs = []
-    for rank, snap in ((0, work / f"shm{million}"), (1, empty)):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")  # fmt: skip
-        cmd = [sys.executable, __file__, "--peer-worker", str(million), str(snap), str(work / "no-ckpt")]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
-    try:
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    argvs = [[sys.executable, __file__, "--peer-worker", str(million), str(snap), str(work / "no-ckpt")]
+             for snap in (work / f"shm{million}", empty)]  # fmt: skip
+    outs = [out for _, out in run_ranks(argvs, [{}, {}], timeout=300)]
     source, elapsed = outs[1].split()
     return source, float(elapsed)
 

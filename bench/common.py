@@ -42,6 +42,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def run_ranks(argvs: list[list[str]], envs: list[dict[str, str]], timeout: float) -> list[tuple[int, str]]:
+    """Run one process per rank of a job without a launcher (``RANK``, ``WORLD_SIZE``, a fresh
+    ``MASTER_PORT`` on loopback, ``OMP_NUM_THREADS=1``, plus ``envs[rank]``); their exit codes and
+    stdouts.  Whatever still runs after ``timeout`` or an error is killed."""
+    port = free_port()
+    procs = []
+    for rank, (argv, extra) in enumerate(zip(argvs, envs, strict=True)):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(len(argvs)), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", **extra)  # fmt: skip
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(p.returncode, out) for p, out in zip(procs, outs, strict=True)]
+
+
 @dataclass
 class Trial:
     """One run of one launcher: its temp dir, its processes, and the workload's events."""

@@ -160,6 +160,11 @@ def test_fsdp_resize_lose_and_join_a_node(work, procs, nodes, reform):
     lose_and_join(work, procs, nodes, ["--reform"] if reform else [])
 
 
+def log_tails(work: Path) -> str:
+    """The end of every agent's log of a test, for its failure message."""
+    return "\n".join(p.read_text()[-1500:] for p in sorted(work.glob("*.log")))
+
+
 def lose_and_join(work: Path, procs, nodes: int, extra: list[str], node_env: list[dict] | None = None) -> None:
     """Run N → N-1 → N nodes (one worker each; ``node_env[i]``: the environment of node i's agents)
     and check what ``test_fsdp_resize_lose_and_join_a_node`` says."""
@@ -206,11 +211,11 @@ def lose_and_join(work: Path, procs, nodes: int, extra: list[str], node_env: lis
         hold.unlink()
         assert a.wait(180) == 0, (work / "a.log").read_text()[-3000:]
     except AssertionError as e:
-        raise AssertionError(f"{e}\n" + "\n".join(p.read_text()[-1500:] for p in sorted(work.glob("*.log")))) from None
+        raise AssertionError(f"{e}\n{log_tails(work)}") from None
     finally:
         remove_snapshot_dirs(run_id)
     got = restores(out)
-    logs = "\n".join(p.read_text()[-1500:] for p in sorted(work.glob("*.log")))
+    logs = log_tails(work)
     committed = digests(out)
     small = {r: got[(shrink, r)] for r in range(nodes - 1)}
     assert {v["source"] for v in small.values()} <= {"memory", "peer"}, (got, logs)
@@ -277,7 +282,7 @@ def test_fsdp_two_nodes_lost_at_once_fall_back_to_disk(work, procs):
         pause.unlink()
         assert a.wait(180) == 0, (work / "a.log").read_text()[-3000:]
     except AssertionError as e:
-        raise AssertionError(f"{e}\n" + "\n".join(p.read_text()[-1500:] for p in sorted(work.glob("*.log")))) from None
+        raise AssertionError(f"{e}\n{log_tails(work)}") from None
     finally:
         remove_snapshot_dirs(run_id)
     log = (work / "a.log").read_text()
@@ -330,11 +335,11 @@ def test_hsdp_twins_on_another_node_stand_in_for_copies(work, procs):
         pause.unlink()
         assert a.wait(180) == 0, (work / "a.log").read_text()[-3000:]
     except AssertionError as e:
-        raise AssertionError(f"{e}\n" + "\n".join(p.read_text()[-1500:] for p in sorted(work.glob("*.log")))) from None
+        raise AssertionError(f"{e}\n{log_tails(work)}") from None
     finally:
         remove_snapshot_dirs(run_id)
     got = restores(out)
-    logs = "\n".join(p.read_text()[-1500:] for p in sorted(work.glob("*.log")))
+    logs = log_tails(work)
     assert not list(out.glob("copied.r*.jsonl")), "a copy was made although the twins hold every chunk"
     small = [v for v in got.values() if v["world_size"] == 2 and v["source"] is not None]
     assert len(small) == 2 and {v["source"] for v in small} == {"memory"}, (got, logs)
