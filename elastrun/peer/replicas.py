@@ -39,6 +39,13 @@ BLOCK = 8 << 20
 REPLICAS = "replicas"
 
 
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    """Replace ``path`` with ``obj`` as JSON at once: a reader sees the old file or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
 class CorruptReplica(ValueError):
     """A replica's data does not match the CRCs it was published with."""
 
@@ -79,9 +86,7 @@ class Sums:
     crcs: list[int]
 
     def write(self, path: Path) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, path)
+        _write_json(path, asdict(self))
 
     @classmethod
     def read(cls, path: Path) -> Sums | None:
@@ -140,9 +145,7 @@ class PushRequest:
 
     def write(self, snapshot_dir: Path) -> Path:
         path = push_path(snapshot_dir, self.kind, self.rank)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, path)
+        _write_json(path, asdict(self))
         return path
 
     @classmethod
@@ -178,9 +181,7 @@ class PushStatus:
     error: str = ""
 
     def write(self, path: Path) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, path)
+        _write_json(path, asdict(self))
 
     @classmethod
     def read(cls, path: Path) -> PushStatus | None:
