@@ -275,6 +275,8 @@ def test_fsdp_two_nodes_lost_at_once_fall_back_to_disk(work, procs):
         hold.unlink()
         wait_for(lambda: list((work / "ck").glob("step-*/manifest.json")), 60, "a complete checkpoint")
         wait_for(lambda: copied_step(out, nodes) >= 0, 60, "a step copied to other nodes' memory")
+        # steps past the checkpoint's in memory (the workers pause at 6), so that some are lost with the nodes
+        wait_for(lambda: (out / "digest.jsonl").exists() and max(digests(out)) >= 6, 60, "step 6 committed")
         for p in others:  # two nodes at once: agents and workers
             os.killpg(p.pid, signal.SIGKILL)
         for p in others:
