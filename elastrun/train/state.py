@@ -24,8 +24,6 @@ import atexit
 import os
 import shutil
 import signal
-import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +35,7 @@ import torch
 from elastrun.inworker.heartbeat import heartbeat
 from elastrun.observe import steplog
 from elastrun.train import dist as edist
-from elastrun.train import notes, reform, rng, sharded
+from elastrun.train import notes, reform, rng, sharded, snapdir
 from elastrun.train.background import BackgroundJob
 from elastrun.train.blob import Flattened, copy_into, flatten, make_header
 from elastrun.train.checkpoint import CheckpointDir
@@ -58,20 +56,6 @@ def _world() -> tuple[int, int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), local
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), local
-
-
-def _snapshot_dir(explicit: str | Path | None) -> tuple[Path, bool]:
-    """The node-local snapshot directory and whether this process owns (must remove) it."""
-    if explicit is not None:
-        return Path(explicit), False
-    if os.environ.get("ELASTRUN_SNAPSHOT_DIR"):
-        return Path(os.environ["ELASTRUN_SNAPSHOT_DIR"]), False
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id:  # another launcher: one directory per job and node, shared by its restarts
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
-        return Path(base) / f"elastrun-snap-{safe}-{socket.gethostname()}-{os.getuid()}", False
-    return Path(tempfile.mkdtemp(prefix="elastrun-snap-", dir=base)), True
 
 
 class State(Restorer, Reformable):
@@ -134,7 +118,7 @@ class State(Restorer, Reformable):
         self._snapshot_every = snapshot_every
         self._copies = copies
         self._ckpt = CheckpointDir(checkpoint_dir, keep) if checkpoint_dir is not None else None
-        snap_dir, self._owns_snap_dir = _snapshot_dir(snapshot_dir)
+        snap_dir, self._owns_snap_dir = snapdir.snapshot_dir(snapshot_dir)
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
         self._mem = MemorySnapshots(snap_dir, run_id)
         #: Issue 24: the sharded half (elastrun/train/sharded/) when the model has DTensor parameters.
