@@ -226,8 +226,11 @@ class LeaseKeeper(threading.Thread):
                     self.outage_since = time.monotonic()
                     what = "unreachable or too slow" if isinstance(exc, EtcdUnavailable) else "keep-alive failed:"
                     self._warn(f"etcd {what} ({exc}); running workers keep training, retrying with back-off")
-                # Sooner while the lease is at risk: within a quarter of what it surely has left.
-                wait = min(retry.delay(), max(0.05, (self._confirmed + self.ttl - time.monotonic()) / 4))
+                # Sooner while the lease may still be saved: within a quarter of what it surely has
+                # left; past that, haste cannot save it and the back-off alone spaces the tries.
+                wait, left = retry.delay(), self._confirmed + self.ttl - time.monotonic()
+                if left > 0:
+                    wait = min(wait, max(0.05, left / 4))
             if self.client.shared.preferred != preferred and self.on_failover is not None:
                 self.on_failover()
             self._wake.wait(wait)
