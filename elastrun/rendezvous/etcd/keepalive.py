@@ -210,7 +210,10 @@ class LeaseKeeper(threading.Thread):
         retry = Backoff(cap / 2, cap)
         # Open the stream while the lease is being granted: the first renewal then costs one message,
         # not a connection and a message (a slow member takes each as long).
-        self._stream.held(self.ttl)
+        try:
+            self._stream.held(self.ttl)
+        except Exception:  # credentials, TLS: the first renewal meets it again and reports it
+            pass
         while not self._stop_event.is_set():
             preferred = self.client.shared.preferred
             try:
