@@ -7,6 +7,9 @@
   keep-alive, range, put, txn, watch stream), the requests per second etcd served, the CPU
   seconds etcd itself used, and the watch events delivered (each agent watches only what it acts
   on, so this grows with N, not N²).  ``--token`` gives every agent a job token;
+- the lease renewals: their latency (p50/p90/p99/max per process, ``renew_ms``), the agent leases
+  etcd answered "expired" (``leases_lost``: each costs a new grant and a registration) and the
+  last renewals of a few of them (``lost_examples``: sent, answered, TTL; seconds after "go");
 - lost-node detection with the defaults: a process holding a handler is SIGKILLed and the
   survivor's ``poll()`` is watched until it reports the loss;
 - keys left in etcd after every agent closed.
