@@ -139,7 +139,7 @@ class LeaseKeeper(threading.Thread):
     ``lost`` is set when etcd says the agent lease expired (e.g. after a network partition longer
     than its TTL); the handler then registers again with a new lease.  ``outage_since`` is the
     monotonic time of the first failure of a running outage (no stream, no answer), None while
-    etcd answers.  The cadence and the second path: module docstring.
+    etcd answers.  The cadence and its bounds: module docstring.
     """
 
     def __init__(self, client: EtcdClient, interval: float, job_interval: float, warn, ttl: float = 0.0) -> None:
@@ -158,7 +158,7 @@ class LeaseKeeper(threading.Thread):
         self._warn = warn
         self._stop_event = threading.Event()
         self._wake = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # the leases, their times and the latencies (handler and keeper threads)
         self._next_job = 0.0
         #: Send time of the latest renewal (or the grant) of ``lease`` that etcd confirmed.
         self._confirmed = time.monotonic()
@@ -193,9 +193,9 @@ class LeaseKeeper(threading.Thread):
 
     def cadence(self) -> float:
         """Seconds between renewals now (module docstring)."""
-        if self._latencies:
-            worst = max(self._latencies)
-        else:
+        with self._lock:
+            worst = max(self._latencies, default=-1.0)
+        if worst < 0:
             shared = self.client.shared
             worst = shared.srtt + 2 * shared.rttvar
         return cadence(self.interval, self.ttl, worst)
@@ -266,9 +266,9 @@ class LeaseKeeper(threading.Thread):
 
     def _answer(self, lease: int, sent: float, ttl: int) -> None:
         """etcd answered a renewal of ``lease`` sent at ``sent``: ``ttl`` > 0 renewed it, else it expired."""
-        self._heard_at = time.monotonic()
-        self._latencies.append(self._heard_at - sent)
         with self._lock:
+            self._heard_at = time.monotonic()
+            self._latencies.append(self._heard_at - sent)
             if lease == self.lease and lease:
                 if ttl <= 0:
                     self.lost = True
