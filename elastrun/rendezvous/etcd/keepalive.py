@@ -3,7 +3,7 @@ renewal's send and tightened as the latency observed grows, within fixed bounds.
 
 **Why leases expired under load.**  etcd starts a renewed lease's TTL when it *processes* the
 renewal, and the leader processes one only once it has applied every write it committed (etcd
-3.4.20+ and 3.5: a renewal waits up to 1 s for the applied index, then fails with "waiting for
+3.4.23 as installed here, and 3.5: a renewal waits up to 1 s for the applied index, then fails with "waiting for
 the applied index took too long" and ends the stream).  So on a member that falls behind applying
 writes, renewals are processed late.  The keeper used to send a renewal, wait for its answer,
 *then* wait ``keepalive_interval``: two renewals reached etcd ``interval`` + the latency apart, and
