@@ -7,6 +7,9 @@
   keep-alive, range, put, txn, watch stream), the requests per second etcd served, the CPU
   seconds etcd itself used, and the watch events delivered (each agent watches only what it acts
   on, so this grows with N, not N²).  ``--token`` gives every agent a job token;
+- the lease renewals: their latency (p50/p90/p99/max per process, ``renew_ms``), the agent leases
+  etcd answered "expired" (``leases_lost``: each costs a new grant and a registration) and the
+  last renewals of a few of them (``lost_examples``: sent, answered, TTL; seconds after "go");
 - lost-node detection with the defaults: a process holding a handler is SIGKILLed and the
   survivor's ``poll()`` is watched until it reports the loss;
 - keys left in etcd after every agent closed.
@@ -70,7 +73,7 @@ time.sleep(600)
 def _count_requests() -> collections.Counter:
     """Count every request this process's etcd clients send, by kind (wraps the client's one entry
     point), the streams they open, the messages sent on them, and the distinct leases granted."""
-    from elastrun.rendezvous.etcd import client, streams
+    from elastrun.rendezvous.etcd import client, keepalive, streams
 
     counts: collections.Counter = collections.Counter()
     lock = threading.Lock()
@@ -116,10 +119,48 @@ def _count_requests() -> collections.Counter:
         ws.send = counted_send
         return ws
 
+    answer = keepalive.LeaseKeeper._answer
+
+    def traced_answer(self, lease: int, sent: float, ttl: int) -> None:
+        now, wall = time.monotonic(), time.time()
+        with lock:
+            RENEWALS.setdefault(lease, []).append((wall - (now - sent), wall, ttl, lease == self.job_lease))
+        return answer(self, lease, sent, ttl)
+
+    renew = keepalive.KeepAliveStream.renew
+
+    def counted_renew(self, lease: int, timeout: float) -> int:
+        try:
+            return renew(self, lease, timeout)
+        except Exception as exc:
+            text = str(exc).lower()
+            why = next((w for w in ("applied index", "no answer", "timed out") if w in text), type(exc).__name__)
+            with lock:
+                counts[f"failed renewal: {why}"] += 1
+            raise
+
     client.EtcdClient.request = counted_request
     client.EtcdClient.grant = counted_grant
-    streams.open_stream = counted_open
+    keepalive.KeepAliveStream.renew = counted_renew
+    streams.open_stream = keepalive.open_stream = counted_open
+    keepalive.LeaseKeeper._answer = traced_answer
     return counts
+
+
+#: lease -> [(sent, answered, TTL, job lease?)] of every renewal etcd answered (stream or second path).
+RENEWALS: dict[int, list] = {}
+
+
+def _renewal_figures(go: float) -> dict:
+    """Renewal latencies (percentiles, ms), the agent leases etcd said expired, and the last
+    renewals of a few of them (seconds after "go", TTL answered)."""
+    took = sorted(a - s for events in RENEWALS.values() for s, a, _, _ in events if a >= go)
+    pick = (lambda q: round(1000 * took[min(len(took) - 1, int(q * len(took)))])) if took else (lambda q: None)
+    lost = [[(round(s - go, 2), round(a - go, 2), ttl) for s, a, ttl, _ in events[-6:]]
+            for events in RENEWALS.values() if any(ttl <= 0 and not job for _, _, ttl, job in events)]
+    return {"renew_ms": {"n": len(took), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99),
+                         "max": round(1000 * took[-1]) if took else None}, "leases_lost": len(lost),
+            "lost_examples": lost[:3]}
 
 
 def child(endpoints: str, run_id: str, first: int, count: int, nodes: int, conf: str) -> None:
@@ -154,11 +195,13 @@ def child(endpoints: str, run_id: str, first: int, count: int, nodes: int, conf:
     print(json.dumps({"ready": len(handlers)}), flush=True)
     sys.stdin.readline()  # "go"
     cpu = time.process_time()
+    go_at = time.time()
     go.set()
     for t in threads:
         t.join(ROUND_TIMEOUT)
     events = sum(h._watch.seq for h in handlers.values() if h._watch is not None)
     print(json.dumps({"ends": list(ends.values()), "errors": errors, "requests": dict(counts),
+                      "renewals": _renewal_figures(go_at),
                       "events": events, "cpu_s": time.process_time() - cpu}), flush=True)
     sys.stdin.readline()  # "close"
     for h in handlers.values():
@@ -219,7 +262,10 @@ def one_round(cluster, nodes: int, procs: int, token: bool, tag: int, conf: str 
             "requests_per_agent": round(total / nodes, 2), "streams_per_agent": round(streams / nodes, 2),
             "leases_per_agent": round(requests.get("leases granted", 0) / nodes, 2),
             "by_kind_per_agent": {k: round(v / nodes, 2) for k, v in requests.most_common()},
-            "requests_per_s": round(total / seconds), "watch_events": sum(d["events"] for d in done)}
+            "requests_per_s": round(total / seconds), "watch_events": sum(d["events"] for d in done),
+            "leases_lost": sum(d["renewals"]["leases_lost"] for d in done),
+            "renew_ms": [d["renewals"]["renew_ms"] for d in done],
+            "lost_examples": [x for d in done for x in d["renewals"]["lost_examples"]][:4]}
 
 
 def kill_detection(endpoints: str) -> float:

@@ -1,13 +1,24 @@
-"""An etcd that answers slower than ``request_timeout`` (overloaded): the round still forms, with one
-lease per agent.
+"""An etcd that answers slower than ``request_timeout``, and renews leases slower than
+``lease_ttl`` − ``keepalive_interval`` (overloaded): the round still forms, with one lease per agent.
 
 A real etcd member sits behind a TCP proxy that holds every byte from the agents for ``DELAY``
-seconds before passing it on: to the agents, a member whose every answer takes longer than their
-``request_timeout``.  Before the adaptive time-outs (docs/etcd.md, "When etcd is overloaded")
-every request was given up at ``request_timeout`` and sent again, which etcd still had to carry
-out: the round never formed.  Now each agent waits longer once its requests time out (up to 4 ×
-``request_timeout``), and a lease grant sent again is the same lease.  Deterministic: the delay
-is fixed, and the lease TTL is far longer than it (what is measured is the requests, not liveness).
+seconds before passing it on (``KEEPALIVE_DELAY`` on the keep-alive stream): to the agents, a
+member whose every answer takes longer than their ``request_timeout``, and which processes each
+renewal ``KEEPALIVE_DELAY`` after it was sent (as etcd does when renewals wait for its applied
+index; opening the stream does not wait for it).
+
+- Before the adaptive time-outs (docs/etcd.md, "When etcd is overloaded") every request was given
+  up at ``request_timeout`` and sent again, which etcd still had to carry out: the round never
+  formed.  Now each agent waits longer once its requests time out (up to 4 × ``request_timeout``),
+  and a lease grant sent again is the same lease.
+- Before the keep-alive cadence (docs/etcd.md, "Keep-alive cadence") the next renewal was sent
+  ``keepalive_interval`` after the previous *answer*: renewals reached etcd ``KEEPALIVE_DELAY`` +
+  ``keepalive_interval`` = 2.17 s apart, past the 2 s TTL, and leases expired (checked: 12 and
+  16 grants for 4 agents).  Now the next one goes ``keepalive_interval`` after the previous was *sent*
+  (sooner when answers are slow, never sooner than ``lease_ttl`` / 6), so they reach etcd
+  ``KEEPALIVE_DELAY`` apart.
+
+Deterministic: the delays are fixed, and the round lasts several TTLs.
 """
 
 from __future__ import annotations
@@ -30,14 +41,18 @@ pytestmark = [
 
 NODES = 4
 DELAY = 0.6
-CONF = {"request_timeout": "0.4", "lease_ttl": "12", "join_timeout": "60"}
+KEEPALIVE_DELAY = 1.5
+CONF = {"request_timeout": "0.4", "lease_ttl": "2", "join_timeout": "60"}
 
 
 class DelayProxy:
-    """Forwards 127.0.0.1:<port> to ``upstream``, delivering what clients send ``delay`` s late."""
+    """Forwards 127.0.0.1:<port> to ``upstream``, delivering what clients send ``delay`` s late, and
+    the renewals on a keep-alive stream (``/v3/lease/keepalive``, after its opening request)
+    ``keepalive_delay`` s late."""
 
-    def __init__(self, upstream: tuple[str, int], delay: float) -> None:
+    def __init__(self, upstream: tuple[str, int], delay: float, keepalive_delay: float | None = None) -> None:
         self.upstream, self.delay = upstream, delay
+        self.keepalive_delay = delay if keepalive_delay is None else keepalive_delay
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         self.closed = threading.Event()
@@ -57,6 +72,7 @@ class DelayProxy:
 
     def _pump(self, src: socket.socket, dst: socket.socket, delay: float) -> None:
         held: collections.deque[tuple[float, bytes]] = collections.deque()
+        first = True
         ready = threading.Condition()
 
         def deliver() -> None:
@@ -88,6 +104,9 @@ class DelayProxy:
             with ready:
                 held.append((time.monotonic() + delay, chunk))
                 ready.notify()
+            if first and delay and chunk.startswith(b"GET /v3/lease/keepalive"):
+                delay = self.keepalive_delay  # the renewals, after the stream's opening request
+            first = False
             if not chunk:
                 return
 
@@ -115,7 +134,7 @@ def test_a_round_forms_with_one_lease_per_agent_when_etcd_answers_slower_than_th
     monkeypatch.setattr(EtcdClient, "grant", counted)
     with EtcdCluster(1) as cluster:
         host, port = cluster.endpoint(0).rsplit(":", 1)
-        proxy = DelayProxy((host, int(port)), DELAY)
+        proxy = DelayProxy((host, int(port)), DELAY, KEEPALIVE_DELAY)
         handlers = [create_handler(RendezvousParameters("etcd", f"127.0.0.1:{proxy.port}", "slow", NODES, NODES,
                                                         config=dict(CONF))) for _ in range(NODES)]
         results: dict[int, object] = {}
@@ -141,6 +160,11 @@ def test_a_round_forms_with_one_lease_per_agent_when_etcd_answers_slower_than_th
             # The time-outs grew past the delay, within their bound (4 x request_timeout).
             timeouts = {round(h._shared.read_timeout(float(CONF["request_timeout"])), 2) for h in handlers}
             assert all(DELAY < t <= 4 * float(CONF["request_timeout"]) for t in timeouts), timeouts
+            # The renewals came faster than the settings' interval once answers were slow, within the bound.
+            ttl = float(CONF["lease_ttl"])
+            cadences = {h._keeper.cadence() for h in handlers}
+            assert all(ttl / 6 - 1e-9 <= c < ttl / 3 for c in cadences), cadences
+            assert not any(h._keeper.lost for h in handlers)
         finally:
             closing = [threading.Thread(target=h.close) for h in handlers]  # each close waits for etcd: together
             for t in closing:

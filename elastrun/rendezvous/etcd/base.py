@@ -46,7 +46,8 @@ from elastrun.rendezvous.etcd.client import (
     op_range,
     prefix_end,
 )
-from elastrun.rendezvous.etcd.streams import LeaseKeeper, WatchSet
+from elastrun.rendezvous.etcd.keepalive import LeaseKeeper
+from elastrun.rendezvous.etcd.streams import WatchSet
 from elastrun.rendezvous.link import Link, Wakeup
 from elastrun.rendezvous.rounds import timeout_error
 

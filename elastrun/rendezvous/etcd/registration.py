@@ -1,6 +1,6 @@
 """Leases, this agent's registration, and the job's incarnation.
 
-An agent holds a lease (renewed by :class:`~elastrun.rendezvous.etcd.streams.LeaseKeeper`), puts
+An agent holds a lease (renewed by :class:`~elastrun.rendezvous.etcd.keepalive.LeaseKeeper`), puts
 ``P/agents/<node>`` under it, and adopts the incarnation named by ``P/epoch``.  Where no agent is
 live, one agent claims the start of a new incarnation (``P/claim``, under its own lease) and the
 others wait for it on a watch; a stale incarnation's keys go with the start.  Where ``P/epoch``
@@ -38,7 +38,8 @@ from elastrun.rendezvous.etcd.client import (
     op_range,
     prefix_end,
 )
-from elastrun.rendezvous.etcd.streams import Event, LeaseKeeper, WatchSet
+from elastrun.rendezvous.etcd.keepalive import LeaseKeeper
+from elastrun.rendezvous.etcd.streams import Event, WatchSet
 
 
 class Registration(HandlerBase):
@@ -57,10 +58,11 @@ class Registration(HandlerBase):
             self._lease = 0
         if not self._lease:
             # One id for every try: a grant that timed out on this side but went through is not a second lease.
-            lease_id = new_lease_id()
+            # Its TTL runs from no earlier than the first try: a grant slow to answer is renewed at once.
+            lease_id, granted_at = new_lease_id(), time.monotonic()
             self._lease = self._retry(lambda: self._kv.grant(int(self.conf["lease_ttl_int"]), lease_id), deadline,
                                       "grant a lease")
-            self._keeper.set_leases(self._lease, self._job_lease)
+            self._keeper.set_leases(self._lease, self._job_lease, granted_at)
         backoff = Backoff(0.05, 1.0)
         while True:
             if time.monotonic() >= deadline:

@@ -9,7 +9,8 @@ stream behind it, each message received one response.  So an agent holds:
   ``create_request`` naming its ``watch_id`` and dropped with a ``cancel_request``, on the same
   connection (with one HTTP request per range, an agent held two streams, and a round's closer
   four, each reconnected every 10 s while idle);
-- **one keep-alive stream** (:class:`KeepAliveStream`): a renewal is one message, where it was one
+- **one keep-alive stream** (:class:`~elastrun.rendezvous.etcd.keepalive.KeepAliveStream`, in
+  :mod:`.keepalive` with the cadence that drives it): a renewal is one message, where it was one
   HTTP request (and a new gRPC stream inside the member) per renewal.
 
 A stream reconnects to the member the agent's other requests use, and a watch resumes each range
@@ -62,7 +63,7 @@ def open_stream(client: EtcdClient, index: int, path: str, timeout: float):
         raise EtcdUnavailable(f"{host}:{port}: stream {path} could not be opened: {exc}") from None
 
 
-def _recv_json(ws) -> dict[str, Any]:
+def recv_json(ws) -> dict[str, Any]:
     text = ws.recv()
     if not text:
         raise EtcdUnavailable("stream closed by etcd")
@@ -70,163 +71,6 @@ def _recv_json(ws) -> dict[str, Any]:
     if "error" in doc:
         raise EtcdUnavailable(str(doc["error"])[:200])
     return doc.get("result") or {}
-
-
-# ---------------------------------------------------------------------- keep-alive
-class KeepAliveStream:
-    """Renews leases over one WebSocket to ``/v3/lease/keepalive`` (used by one thread only)."""
-
-    def __init__(self, client: EtcdClient) -> None:
-        self.client = client
-        self._ws = None
-        self._index = -1
-        #: Monotonic time before which no new stream is tried (after one could not be opened).
-        self._retry_at = 0.0
-
-    def renew(self, lease: int, timeout: float) -> int:
-        """Renew ``lease``: its new TTL, or -1 when it expired.  Over the stream when one can be held,
-        else as one HTTP request; raises :class:`EtcdUnavailable` when no member answers in ``timeout``."""
-        ws = self._stream(timeout)
-        if ws is None:
-            return self.client.keepalive(lease, timeout)
-        deadline = time.monotonic() + timeout
-        try:
-            ws.settimeout(timeout)
-            ws.send(json.dumps({"ID": str(lease)}))
-            while True:
-                ws.settimeout(max(0.01, deadline - time.monotonic()))
-                result = _recv_json(ws)
-                if int(result.get("ID", 0) or 0) == lease:  # a late answer to an earlier renewal is skipped
-                    return int(result.get("TTL", -1) or -1)
-        except Exception as exc:
-            self.close()
-            raise EtcdUnavailable(f"keep-alive stream: {exc}") from None
-
-    def _stream(self, timeout: float):
-        with self.client.shared.lock:
-            index = self.client.shared.preferred
-        if self._ws is not None and index == self._index:
-            return self._ws
-        self.close()  # the other requests moved to another member: follow them
-        if time.monotonic() < self._retry_at:
-            return None
-        try:
-            self._ws = open_stream(self.client, index, "lease/keepalive", timeout)
-            self._index = index
-        except EtcdUnavailable:
-            self._retry_at = time.monotonic() + 10.0
-            return None
-        return self._ws
-
-    def close(self) -> None:
-        ws, self._ws = self._ws, None
-        if ws is not None:
-            try:
-                ws.close(timeout=0.1)
-            except Exception:
-                pass
-
-
-class LeaseKeeper(threading.Thread):
-    """Renews this agent's lease (and, less often, the job's) and reports etcd outages once each.
-
-    ``lost`` is set when etcd says the agent lease expired (e.g. after a network partition longer
-    than its TTL); the handler then registers again with a new lease.  ``outage_since`` is the
-    monotonic time of the first failed renewal of a running outage, None while etcd answers.
-
-    **Deadlines.**  A renewal may take as long as the lease has left (``ttl`` after the last renewal
-    that got through), never less than 0.25 s: a later answer could not save it, and giving up
-    earlier on a member that is merely slow would only add another renewal to its load.  While
-    renewals fail, the next one is tried after a jittered 0.25-1 s (not ``interval``), so the lease
-    may still be saved and a job's agents do not retry in step.
-    """
-
-    def __init__(self, client: EtcdClient, interval: float, job_interval: float, warn, ttl: float = 0.0) -> None:
-        super().__init__(daemon=True, name="elastrun-etcd-keepalive")
-        self.client = client
-        self.interval = interval
-        self.job_interval = job_interval
-        self.ttl = ttl or 3 * interval
-        self.lease = 0
-        self.job_lease = 0
-        self.lost = False
-        self.job_lost = False
-        self.outage_since: float | None = None
-        self.last_error = ""
-        self._warn = warn
-        self._stop_event = threading.Event()
-        self._next_job = 0.0
-        self._renewed_at = time.monotonic()
-        self._stream = KeepAliveStream(client)
-        self.on_failover = None
-
-    def set_leases(self, lease: int, job_lease: int) -> None:
-        """Renew ``lease`` and ``job_lease`` from now on.
-
-        A job lease new to this keeper is first renewed one ``job_interval`` from now, not at once:
-        it was just granted (full TTL), or adopted from a running incarnation whose live agents
-        renew it every ``job_interval`` themselves.  Renewing it at once cost every agent of a
-        round one keep-alive for nothing.
-        """
-        if job_lease != self.job_lease:
-            self._next_job = time.monotonic() + self.job_interval
-        if lease != self.lease:
-            self._renewed_at = time.monotonic()  # just granted
-        self.lease, self.job_lease, self.lost, self.job_lost = lease, job_lease, False, False
-
-    def run(self) -> None:
-        cap = min(1.0, self.interval)
-        retry = Backoff(cap / 2, cap)
-        while not self._stop_event.is_set():
-            preferred = self.client.shared.preferred
-            wait = self.interval
-            try:
-                self._renew()
-                if self.outage_since is not None:
-                    took = time.monotonic() - self.outage_since
-                    self._warn(f"etcd is reachable again after {took:.1f} s; the rendezvous carries on")
-                    self.outage_since = None
-                retry.reset()
-            except EtcdUnavailable as exc:
-                self.last_error = str(exc)
-                if self.outage_since is None:
-                    self.outage_since = time.monotonic()
-                    self._warn(
-                        f"etcd unreachable ({exc}); running workers keep training, retrying with back-off"
-                    )
-                wait = retry.delay()
-            except Exception as exc:  # credentials revoked, etc.: keep trying, report once
-                self.last_error = str(exc)
-                if self.outage_since is None:
-                    self.outage_since = time.monotonic()
-                    self._warn(f"etcd keep-alive failed: {exc}; retrying")
-                wait = retry.delay()
-            if self.client.shared.preferred != preferred and self.on_failover is not None:
-                self.on_failover()
-            self._stop_event.wait(wait)
-        self._stream.close()
-
-    def _deadline(self) -> float:
-        """How long this renewal may take: what the lease has left, at least 0.25 s."""
-        return max(0.25, self.ttl - (time.monotonic() - self._renewed_at))
-
-    def _renew(self) -> None:
-        lease = self.lease
-        if lease and not self.lost:
-            ttl = self._stream.renew(lease, self._deadline())
-            if ttl <= 0 and lease == self.lease:
-                self.lost = True
-            elif lease == self.lease:
-                self._renewed_at = time.monotonic()
-        now = time.monotonic()
-        if self.job_lease and now >= self._next_job:
-            job_lease = self.job_lease
-            if self._stream.renew(job_lease, max(1.0, self._deadline())) <= 0 and job_lease == self.job_lease:
-                self.job_lost = True
-            self._next_job = now + self.job_interval
-
-    def stop(self) -> None:
-        self._stop_event.set()
 
 
 # ---------------------------------------------------------------------- watch
@@ -443,7 +287,7 @@ class _WatchStream(threading.Thread):
             while not self._stop_event.is_set():
                 ws.settimeout(self.idle / 2)
                 try:
-                    result = _recv_json(ws)
+                    result = recv_json(ws)
                 except Exception as exc:
                     if type(exc).__name__ != "WebSocketTimeoutException" or self._stop_event.is_set():
                         raise
