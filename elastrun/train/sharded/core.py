@@ -120,7 +120,7 @@ class ShardedState:
         """Allocate this rank's slot files in the background (``reserve.py``): a shard that is new
         or bigger would otherwise fault its pages in, one by one, inside its first commits."""
         mem = self.slots()
-        reserve.reserve([mem._data_path(s) for s in range(SLOTS)], nbytes)
+        reserve.reserve([mem.dir / f"{mem.name(s)}.data" for s in range(SLOTS)], nbytes)
 
     def _shard_bytes(self) -> int:
         """About what this rank's snapshot will take: its chunks of the model and optimizer state
