@@ -20,9 +20,15 @@ Figures, each from the fault until every rank of the new group has committed a s
 - steady state: the step time with and without ``et.run`` (``--standalone``, 2 workers).
 
 ``--fsdp``: the same figures for an FSDP2 model (``bench/reform_workload.py``, ``FSDP=1``), whose
-lost shards come from peer replicas under elastrun and from the DCP checkpoint under torchrun.
+lost shards come from peer replicas under elastrun and from the DCP checkpoint under torchrun; the
+time to the first step is split from the workload's own lines (until restored, the first step
+itself, and for the joiner: group formed, model built, restore), and the first step is read beside
+the new group's steady step (the median of the next ``STEADY_STEPS``).
 
-Usage: ``python bench/bench_reform.py [--repeat 1] [--only crash,loss,join,hang,steady] [--size 100] [--fsdp]``.
+``--agents n`` (loss and join only): node loss n → n-1 (the last agent killed) and join n-1 → n.
+
+Usage: ``python bench/bench_reform.py [--repeat 1] [--only crash,loss,join,hang,steady] [--size 100] [--fsdp]
+[--agents 2]``.
 Prints a table.
 """
 
@@ -67,6 +73,10 @@ class RunTrial(Trial):
 
 
 FSDP = False
+#: Agents (1 worker each) of the loss and join figures: n → n-1 and n-1 → n.
+AGENTS = 2
+#: Steps at the new size after its first, whose median interval is the steady step.
+STEADY_STEPS = 3
 
 
 def trial(name: str, way: str, **env: str) -> Trial:
@@ -114,6 +124,26 @@ def split_first_step(t: Trial, world: int, after: float, back: float | None) -> 
     return {"until restored": max(restored.values()) - after, "first step itself": back - max(first.values())}
 
 
+def joiner_split(t: Trial, world: int, ready: float, back: float) -> dict:
+    """Where the time from the joiner's worker start went, from the workload's lines: until the new
+    group exists on every rank (the joiner's init, the others' re-form), the model's build, the
+    restore, and the joiner's first step (its start, and how long it took)."""
+    marks: dict[str, dict[int, float]] = {}
+    joiner_step: float | None = None
+    for e in sorted(t.events(), key=lambda e: e["t"]):
+        if e.get("world") != world or e["t"] <= ready:
+            continue
+        if e["ev"] in ("group", "built", "restored"):
+            marks.setdefault(e["ev"], {}).setdefault(e["rank"], e["t"])
+        if e["ev"] == "step" and e["rank"] == world - 1 and joiner_step is None:
+            joiner_step = e["t0"]
+    if any(len(marks.get(k, {})) < world for k in ("group", "built", "restored")) or joiner_step is None:
+        return {}
+    group, built, restored = (max(marks[k].values()) for k in ("group", "built", "restored"))
+    return {"ready → group formed": group - ready, "model built": built - group, "restore": restored - built,
+            "ready → joiner's first step begins": joiner_step - ready}
+
+
 def crash(way: str) -> dict:
     t = trial(f"reform-crash-{way}", way, CRASH_AT_STEP="6", CRASH_RANK="1")
     once = t.dir / "crashed"
@@ -134,27 +164,50 @@ def crash(way: str) -> dict:
         t.close()
 
 
+def start_agents(t: Trial, way: str, port: int, nnodes: str, count: int, first: int = 0) -> list:
+    """``count`` agents (agent ``i`` logs to ``logs<i>``; agent 0 hosts the c10d store)."""
+    procs = []
+    for i in range(first, first + count):
+        procs.append(t.start(argv(way, multi_node(port, nnodes, i == 0), t.dir / f"logs{i}")))
+        if i == 0:
+            time.sleep(0.5)
+    return procs
+
+
+def steady_after(t: Trial, world: int, after: float, steps: int = STEADY_STEPS) -> dict:
+    """The new group's steady step, to read its first step against: the median interval between the
+    committed steps that follow its first (rank 0's), waited for (bounded)."""
+    def lines() -> list[float]:
+        return sorted(e["t"] for e in t.events() if e["ev"] == "step" and e["world"] == world and e["rank"] == 0
+                      and e["t"] > after)  # fmt: skip
+
+    wait_for(lambda: len(lines()) > steps, CAP)
+    times = lines()[: steps + 1]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    return {"steady step (new size)": statistics.median(gaps)} if gaps else {}
+
+
 def loss(way: str) -> dict:
     t = trial(f"reform-loss-{way}", way)
     port = free_port()
-    logs = t.dir / "logs0"
+    n = AGENTS
     try:
-        t.start(argv(way, multi_node(port, "1:2", True), logs))
-        time.sleep(0.5)
-        b = t.start(argv(way, multi_node(port, "1:2", False), t.dir / "logs1"))
-        # FSDP: after the first checkpoint (step 5) is written, so torchrun's survivor has one to reload
-        if not wait_for(lambda: t.all_ranks_stepped(2, min_step=8 if FSDP else 4), 240):
+        agents = start_agents(t, way, port, f"{n - 1}:{n}", n)
+        # FSDP: after the first checkpoint (step 5) is written, so torchrun's survivors have one to reload
+        if not wait_for(lambda: t.all_ranks_stepped(n, min_step=8 if FSDP else 4), 240):
             log(f"loss {way}: never formed\n{t.output()[-2000:]}")
             return {}
         killed = time.time()
-        t.kill_tree(b)
-        back = wait_for(lambda: t.all_ranks_stepped(1, after=killed), CAP)
+        t.kill_tree(agents[-1])
+        back = wait_for(lambda: t.all_ranks_stepped(n - 1, after=killed), CAP)
         out: dict = {"total": None if back is None else back - killed, "sources": kept(t, killed)}
-        seen = first_event(logs, "restart", killed) if way != "torchrun" else None
+        seen = first_event(t.dir / "logs0", "restart", killed) if way != "torchrun" else None
         if seen is not None and back is not None:
             out["detection"] = seen["ts"] - killed
             out["after detection"] = back - seen["ts"]
-        out.update(split_first_step(t, 1, killed, back))
+        out.update(split_first_step(t, n - 1, killed, back))
+        if back is not None and FSDP:
+            out.update(steady_after(t, n - 1, killed))
         return out
     finally:
         t.close()
@@ -163,20 +216,24 @@ def loss(way: str) -> dict:
 def join(way: str) -> dict:
     t = trial(f"reform-join-{way}", way)
     port = free_port()
-    logs = t.dir / "logs1"
+    n = AGENTS
+    logs = t.dir / f"logs{n - 1}"
     try:
-        t.start(argv(way, multi_node(port, "1:2", True), t.dir / "logs0"))
-        if not wait_for(lambda: t.all_ranks_stepped(1, min_step=4), 240):
-            log(f"join {way}: never stepped alone\n{t.output()[-2000:]}")
+        start_agents(t, way, port, f"{n - 1}:{n}", n - 1)
+        if not wait_for(lambda: t.all_ranks_stepped(n - 1, min_step=4), 240):
+            log(f"join {way}: never stepped at {n - 1}\n{t.output()[-2000:]}")
             return {}
         joined = time.time()
-        t.start(argv(way, multi_node(port, "1:2", False), logs))
-        back = wait_for(lambda: t.all_ranks_stepped(2, after=joined), CAP)
+        start_agents(t, way, port, f"{n - 1}:{n}", 1, first=n - 1)
+        back = wait_for(lambda: t.all_ranks_stepped(n, after=joined), CAP)
         out: dict = {"total": None if back is None else back - joined, "sources": kept(t, joined)}
         started = first_event(logs, "worker_start", joined) if way != "torchrun" else None
         if started is not None and back is not None:
             out["from joiner ready"] = back - started["ts"]
-        out.update(split_first_step(t, 2, joined, back))
+            out.update(joiner_split(t, n, started["ts"], back))
+        out.update(split_first_step(t, n, joined, back))
+        if back is not None and FSDP:
+            out.update(steady_after(t, n, joined))
         return out
     finally:
         t.close()
@@ -231,9 +288,12 @@ def main() -> None:
     ap.add_argument("--ways", default=",".join(WAYS))
     ap.add_argument("--size", default="100", help="model size in millions of parameters")
     ap.add_argument("--fsdp", action="store_true", help="the FSDP2 model (issue 24) instead of DDP")
+    ap.add_argument("--agents", type=int, default=2, help="loss n → n-1 and join n-1 → n (n ≥ 2)")
     a = ap.parse_args()
-    global SIZE_M, FSDP
-    SIZE_M, FSDP = a.size, a.fsdp
+    if a.agents < 2:
+        ap.error("--agents must be at least 2")
+    global SIZE_M, FSDP, AGENTS
+    SIZE_M, FSDP, AGENTS = a.size, a.fsdp, a.agents
     only = set(a.only.split(","))
     ways = a.ways.split(",")
     results: dict[str, dict[str, list[dict]]] = {}
@@ -247,8 +307,10 @@ def main() -> None:
                 results.setdefault(name, {}).setdefault(way, []).append(got)
     print("| figure | " + " | ".join(ways) + " |")
     print("|---|" + "---|" * len(ways))
-    labels = {"crash": "worker crash → all ranks stepping", "loss": "node loss (agent SIGKILL) → survivor stepping",
-              "join": "node join → all ranks stepping (from the joiner's launch)",
+    n = AGENTS
+    labels = {"crash": "worker crash → all ranks stepping",
+              "loss": f"node loss {n} → {n - 1} (agent SIGKILL) → survivors stepping",
+              "join": f"node join {n - 1} → {n} → all ranks stepping (from the joiner's launch)",
               "hang": "hang (rank 1 SIGSTOPped, --hang-timeout 2) → all ranks stepping"}
     for name, by_way in results.items():
         keys = list(dict.fromkeys(k for runs in by_way.values() for r in runs for k in r

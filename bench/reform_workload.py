@@ -105,12 +105,13 @@ def sharded(size: int, emit) -> None:
             began = time.time()
             x = torch.randn(batch, model[0].in_features, generator=g)
             model(x).pow(2).mean().backward()
+            backward = time.time()
             state._optimizer.step()
             state._optimizer.zero_grad()
             committing = time.time()
             state.commit()
             emit("step", n=state.step, rank=rank, world=world, gen=int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
-                 t0=began, tc=committing)
+                 t0=began, tb=backward, tc=committing)
 
     ckpt = {"checkpoint_dir": os.environ["CKPT"], "checkpoint_every": 5}
     if "ELASTRUN_SNAPSHOT_DIR" not in os.environ:  # torchrun: one memory per "node" (its agent), not one per machine
@@ -119,7 +120,9 @@ def sharded(size: int, emit) -> None:
         state = et.State(**ckpt)
 
         def train(state: et.State) -> None:
+            emit("group", rank=dist.get_rank(), world=dist.get_world_size())
             model, opt = build()
+            emit("built", rank=dist.get_rank(), world=dist.get_world_size())
             if state.attach(model, opt) is None:  # nothing saved yet: a fresh start
                 init(model)
             loop(state, model)
@@ -127,7 +130,9 @@ def sharded(size: int, emit) -> None:
         et.run(train, state)
     else:
         et.init_distributed()
+        emit("group", rank=dist.get_rank(), world=dist.get_world_size())
         model, opt = build()
+        emit("built", rank=dist.get_rank(), world=dist.get_world_size())
         state = et.State(model=model, optimizer=opt, **ckpt)
         if state.restore() is None:
             init(model)

@@ -441,3 +441,19 @@ def test_fsdp_survivor_keeps_its_process_bit_for_bit(work, procs):
     assert "re-formed in process" in log, log[-3000:]
     assert final(out) == final(clean), "parameters differ from the uninterrupted run"
     assert_exactly_once(out, SAMPLES, EPOCHS)
+
+
+def test_slot_memory_is_allocated_before_the_commits_that_fill_it(tmp_path):
+    """A rank's four slot files get their memory in the background as soon as its shard's size is
+    known (its first commit, or a restore into a node that has only the restored snapshot), so the
+    next commits write into allocated pages instead of faulting each one in (``reserve.py``)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = Path(__file__).with_name("reserve_job.py")
+    run = subprocess.run([sys.executable, str(script), str(out)], env=env(), capture_output=True, text=True,
+                         cwd=REPO, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["source"] == "memory", got
+    assert all(n >= got["nbytes"] for n in got["after_commit"]), got  # one slot written, four allocated
+    assert all(n >= got["nbytes"] for n in got["after_restore"]), got

@@ -35,7 +35,7 @@ from elastrun.train import notes, reform, snapclient
 from elastrun.train.blob import Entry as BlobEntry
 from elastrun.train.blob import Flattened
 from elastrun.train.checkpoint import DiskCandidate
-from elastrun.train.sharded import durable, slots
+from elastrun.train.sharded import durable, reserve, slots
 from elastrun.train.sharded.copies import Copies
 from elastrun.train.sharded.layout import (
     Entry,
@@ -53,6 +53,7 @@ from elastrun.train.sharded.layout import (
 )
 from elastrun.train.sharded.plan import ShardPlan, ShardReport, lost, make_plan
 from elastrun.train.sharded.reader import entries_of, open_step
+from elastrun.train.snapshot import SLOTS
 
 if TYPE_CHECKING:
     from elastrun.train.state import State
@@ -115,6 +116,19 @@ class ShardedState:
             self._slots = slots.ShardSlots(self.st._mem.dir, self.st._mem.run_id, self.st._rank)
         return self._slots
 
+    def _reserve(self, nbytes: int) -> None:
+        """Allocate this rank's slot files in the background (``reserve.py``): a shard that is new
+        or bigger would otherwise fault its pages in, one by one, inside its first commits."""
+        mem = self.slots()
+        reserve.reserve([mem.dir / f"{mem.name(s)}.data" for s in range(SLOTS)], nbytes)
+
+    def _shard_bytes(self) -> int:
+        """About what this rank's snapshot will take: its chunks of the model and optimizer state
+        (each entry padded as ``layout.lay_out`` does)."""
+        _, tensors = split(self.tree())
+        local = (t.to_local() if is_dtensor(t) else t for t in tensors.values())
+        return sum(-(-t.numel() * t.element_size() // 64) * 64 for t in local)
+
     def close(self) -> None:
         """Unmap this rank's slots (``State.close()``, or a model replaced by ``State.attach()``)."""
         if self._slots is not None:
@@ -169,6 +183,7 @@ class ShardedState:
             self._entries = [dataclasses.astuple(e) for e in entries]
             self._stable = self._stable_ptrs()
             self._twins = twins(tensors.values(), st._rank)
+            self._reserve(nbytes)
         flat = Flattened(None, locals_, [BlobEntry(e.dtype, e.chunk, e.offset, e.nbytes) for e in entries], nbytes)
         header = {
             "format": FORMAT, "step": st.step, "world_size": st._world_size, "rank": st._rank, "nbytes": nbytes,
@@ -300,6 +315,7 @@ class ShardedState:
             st._restore_rng(plan, disk)  # type: ignore[arg-type]
             slots.drop_newer(st._mem.dir, st._mem.run_id, plan.step)  # an abandoned timeline
             self.close()
+            self._reserve(self._shard_bytes())
             return source
         raise RuntimeError("State.restore(): no saved sharded state could be loaded on every rank")
 
