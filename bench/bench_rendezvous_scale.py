@@ -47,7 +47,14 @@ torch's ``TCPStore`` looks up the peer's name for every connection (``getnameinf
 DNS server drops queries (this sandbox) a connection stalls 5 s.  When run as root the bench
 re-runs itself in a fresh network namespace (loopback only), where that lookup fails at once.
 
+**Store operations per node** (``--count-ops``): every node's two store clients count their
+operations by name between "go" and the end of the round, one count for the joining thread's
+client (the join, the wait, the close, the result and seat reads) and one for the heartbeat
+client; ``store_ops_per_node`` is each total over n.  The counting wrapper adds a Python call per
+operation, so round times of a counted run are not the figures.
+
     python -m bench.bench_rendezvous_scale --nodes 256 1024 4096 [--procs 8] [--token] [--repeat 3]
+    python -m bench.bench_rendezvous_scale --count-ops --nodes 1024 4096
     python -m bench.bench_rendezvous_scale --auth-cost --nodes 256 1024 4096
     python -m bench.bench_rendezvous_scale --store-capacity
 """
