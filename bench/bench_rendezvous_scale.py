@@ -47,7 +47,14 @@ torch's ``TCPStore`` looks up the peer's name for every connection (``getnameinf
 DNS server drops queries (this sandbox) a connection stalls 5 s.  When run as root the bench
 re-runs itself in a fresh network namespace (loopback only), where that lookup fails at once.
 
+**Store operations per node** (``--count-ops``): every node's two store clients count their
+operations by name between "go" and the end of the round, one count for the joining thread's
+client (the join, the wait, the close, the result and seat reads) and one for the heartbeat
+client; ``store_ops_per_node`` is each total over n.  The counting wrapper adds a Python call per
+operation, so round times of a counted run are not the figures.
+
     python -m bench.bench_rendezvous_scale --nodes 256 1024 4096 [--procs 8] [--token] [--repeat 3]
+    python -m bench.bench_rendezvous_scale --count-ops --nodes 1024 4096
     python -m bench.bench_rendezvous_scale --auth-cost --nodes 256 1024 4096
     python -m bench.bench_rendezvous_scale --store-capacity
 """
@@ -258,6 +265,26 @@ def _store_thread_cpu() -> float:
     return total
 
 
+class _Counted:
+    """A store client that counts its operations by name (``--count-ops``)."""
+
+    def __init__(self, store, counts: dict) -> None:
+        self._store = store
+        self._counts = counts
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+        counts = self._counts
+
+        def counted(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
 def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, full_every: int, ids: str) -> None:
     """One process of simulated nodes: connect, say ready, join on "go", report, heartbeat, close."""
     import signal
@@ -329,6 +356,12 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
     threads = [threading.Thread(target=join, args=(i,)) for i in sorted(handlers)]
     for t in threads:
         t.start()
+    join_ops: dict[str, int] = {}
+    beat_ops: dict[str, int] = {}
+    if os.environ.get("ELASTRUN_BENCH_COUNT_OPS"):
+        for h in handlers.values():
+            h._store = _Counted(h._store, join_ops)
+            h._hb_store = _Counted(h._hb_store, beat_ops)
     print(json.dumps({"ready": len(handlers), "errors": errors[:3]}), flush=True)
     sys.stdin.readline()  # "go"
     store_cpu_go = _store_thread_cpu()
@@ -345,6 +378,7 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
                 print(f"nodes {first}-{first + count - 1}: {waiting} still in the round, errors: {errors[:2]}",
                       file=sys.stderr, flush=True)
     store_cpu_round = _store_thread_cpu() - store_cpu_go
+    ops = {"join": dict(join_ops), "beat": dict(beat_ops)}
     full = [i for i in ends if i % full_every == 0]
     ranks = sorted(r.group_rank for r in results.values())
     per_node = 1 if ids == "bench" else 8
@@ -361,7 +395,7 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
                       "joins_written": max(light.joined_at, default=None),
                       "first_fetch": min(light.fetched_at, default=None),
                       "last_fetch": max(light.fetched_at, default=None), "result_bytes": light.result_bytes,
-                      "store_cpu_s": round(store_cpu_round, 3)}), flush=True)
+                      "store_cpu_s": round(store_cpu_round, 3), "ops": ops}), flush=True)
     sys.stdin.readline()  # "beat": every process's nodes are heartbeating now
 
     def beats() -> int:
@@ -472,6 +506,15 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
         phases = {name: _since(go, pick, [d[name] for d in done if d.get(name)])
                   for name, pick in (("joins_written", max), ("last_fetch", max), ("first_fetch", min))}
         result_bytes = max(d.get("result_bytes", 0) for d in done)
+        ops_per_node = None
+        if os.environ.get("ELASTRUN_BENCH_COUNT_OPS"):
+            ops_per_node = {}
+            for kind in ("join", "beat"):
+                total: dict[str, int] = {}
+                for d in done:
+                    for name, n in d.get("ops", {}).get(kind, {}).items():
+                        total[name] = total.get(name, 0) + n
+                ops_per_node[kind] = {name: round(n / nodes, 2) for name, n in sorted(total.items())}
         tell(children, "beat")
         beat_rows = read_lines(children)
         beats = sum(b.get("beats", 0) for b in beat_rows)
@@ -497,7 +540,7 @@ def one_round(nodes: int, procs: int, token: bool, beat_seconds: float, full_eve
             "full_nodes_done_s": round(full_end - go, 3), "parse_ms": round(parse_ms(nodes, token), 1),
             "full_join_cpu_ms": {"median": round(statistics.median(join_cpu) * 1e3, 1),
                                  "max": round(max(join_cpu) * 1e3, 1)},
-            "store_cpu_in_round_s": done[0].get("store_cpu_s"),
+            "store_cpu_in_round_s": done[0].get("store_cpu_s"), "store_ops_per_node": ops_per_node,
             "setup_s": round(setup, 1), "store_connections": connections,
             "beats_per_s": round(beats / beat_seconds, 1), "beats_per_s_configured": nodes / 0.5,
             "store_thread_busy": round(store_cpu / beat_seconds, 3)}
@@ -616,6 +659,8 @@ def main() -> None:
                         help="node ids, hosts and addresses: short bench ones, or like real agents' (node_info)")
     parser.add_argument("--full-every", type=int, default=64,
                         help="every Nth node runs the real handler end to end; the others are light (docstring)")
+    parser.add_argument("--count-ops", action="store_true",
+                        help="count each node's store operations in the round, by kind (join thread, heartbeats)")
     parser.add_argument("--no-netns", action="store_true", help="stay in this network namespace (see docstring)")
     parser.add_argument("--auth-cost", action="store_true", help="only the CPU cost of the token, per size")
     parser.add_argument("--store-capacity", action="store_true",
@@ -627,6 +672,8 @@ def main() -> None:
         command = "ip link set lo up && exec " + " ".join([PYTHON, "-m", "bench.bench_rendezvous_scale",
                                                            *sys.argv[1:]])
         os.execvp("unshare", ["unshare", "--net", "sh", "-c", command])
+    if args.count_ops:
+        os.environ["ELASTRUN_BENCH_COUNT_OPS"] = "1"
     if args.store_capacity:
         print(json.dumps(store_capacity(4, 8)), flush=True)
         return

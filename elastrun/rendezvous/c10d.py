@@ -128,7 +128,9 @@ class StoreRendezvousHandler(Closing, Liveness):
         self._closer = ""
         self._heartbeat: Heartbeat | None = None
         self._hb_counter = 0
-        self._watch = RingWatch(self.conf["heartbeat_timeout"])
+        #: The ring watch; a successor never seen beating gets one more ``heartbeat_timeout`` (a node
+        #: starts beating when it sees its first round closed: see ``next_round``).
+        self._watch = RingWatch(self.conf["heartbeat_timeout"], first_beat_grace=self.conf["heartbeat_timeout"])
         self._link: Link | None = None
         self._link_tried = False
         #: Ring successors whose process the liveness link found gone (declared by the heartbeat thread).
@@ -149,7 +151,10 @@ class StoreRendezvousHandler(Closing, Liveness):
         if not self._registered:
             self._store.add(self._k("agents"), 1)
             self._registered = True
-        self._start_heartbeat()
+        # A node heartbeats once it is in a round's hands (docs/rendezvous-protocol.md, "Heartbeats"):
+        # it takes the first slot, closes a round, or sees the round it joined closed.  A fresh
+        # joiner waiting for its first round is watched by nobody, and its beats would cost the
+        # store n writes per heartbeat interval for as long as the round takes to form: O(n²).
         self._check_job_ended()
         member_of = self._round
         if self._result is not None:
@@ -159,6 +164,8 @@ class StoreRendezvousHandler(Closing, Liveness):
             if time.monotonic() >= deadline:
                 raise self._timeout_error(round_)
             idx = self._store.add(self._r(round_, "joined"), 1)
+            if idx == 1:  # the round's closer, whose heartbeats its followers watch
+                self._start_heartbeat()
             rejoining = (
                 member_of is not None
                 and round_ == member_of + 1
@@ -171,6 +178,7 @@ class StoreRendezvousHandler(Closing, Liveness):
                 self._store.add(self._r(round_ - 1, "signal"), 1)
             size = self._await_close(round_, idx, deadline)
             if idx <= size:
+                self._start_heartbeat()  # a member now: its ring predecessor watches it from the result on
                 result = self._await_result(round_, node, deadline)
                 if result is not None:
                     result.duration = time.monotonic() - started

@@ -22,11 +22,14 @@ class RingWatch:
     """Tracks one successor's heartbeat counter and says when it went silent.
 
     Only a counter larger than any seen before counts as a sign of life, so an old heartbeat
-    written again (a replay) does not keep a dead node alive.
+    written again (a replay) does not keep a dead node alive.  A target never seen beating gets
+    ``first_beat_grace`` more: a node starts beating when it sees its first round closed, and at
+    thousands of nodes its watcher may have woken up and read the result a moment before it.
     """
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, first_beat_grace: float = 0.0) -> None:
         self.timeout = timeout
+        self.first_beat_grace = first_beat_grace
         self.target: str | None = None
         self._last_counter = -1
         self._last_change = time.monotonic()
@@ -45,7 +48,8 @@ class RingWatch:
             self._last_counter = counter
             self._last_change = now
             return False
-        return now - self._last_change >= self.timeout
+        grace = self.first_beat_grace if self._last_counter < 0 else 0.0
+        return now - self._last_change >= self.timeout + grace
 
 
 def _counter(value: str | bytes | None) -> int | None:

@@ -14,7 +14,7 @@ on authentic joins (:class:`JoinSlots`).
 :class:`Closing` is a part of :class:`~elastrun.rendezvous.c10d.StoreRendezvousHandler`: the handler
 owns the state it reads (``params``, ``conf``, ``min_nodes``, ``max_nodes``, ``_node``, ``_result``,
 ``_roster``, ``_error``, ``_fetched``, ``_closer``, ``_worker_store``) and the join's helpers it calls
-(``_check_job_ended``, ``_timeout_error``, and ``_lost_causes`` of
+(``_check_job_ended``, ``_timeout_error``, and ``_lost_causes`` and ``_start_heartbeat`` of
 :class:`~elastrun.rendezvous.store_liveness.Liveness`).  The keys are listed in
 docs/rendezvous-protocol.md.
 """
@@ -201,6 +201,7 @@ class Closing(StoreClient):
                     # The counters are hints anyone can bump: decide on authentic values only.
                     size, admitted = self._verified_close(round_, inputs, prev, slots)
                 if size is not None:
+                    self._start_heartbeat()  # a closer's followers watch its heartbeats until its result
                     last = size if admitted is None else admitted[-1][0]
                     won, value = self._claim(closed_key, f"{last}:{self._node.node_id}")
                     if won:

@@ -1,7 +1,9 @@
 """Liveness in the store backends: this node's heartbeats, and its watch over its ring successor.
 
 Each agent writes ``hb/<node>`` every ``heartbeat_interval`` from a thread of its own (on a second
-connection to the store), and on the same beat reads the ``hb`` key of its ring successor in the
+connection to the store), from the moment it is in a round's hands (slot 1, a close, or its round
+closed with it admitted: a fresh joiner still waiting is watched by nobody), and on the same beat
+reads the ``hb`` key of its ring successor in the
 current round: a successor silent for ``heartbeat_timeout``, or whose process the liveness link
 (:mod:`elastrun.rendezvous.link`) found gone, is declared gone from the round (``r<R>/dead/<node>``,
 ``gone_list``, ``gone``, ``signal``), which wakes every member's :meth:`poll`.  A member marked dead

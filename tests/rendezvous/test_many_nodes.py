@@ -210,3 +210,46 @@ def test_old_rounds_keys_are_deleted_so_the_store_stays_bounded(monkeypatch):
     finally:
         for h in reversed(handlers):
             h.close()
+
+
+def test_a_fresh_joiner_heartbeats_only_once_its_round_closed(monkeypatch):
+    """Slot 1 (the closer, whose beats its followers watch) heartbeats while it waits; the other fresh
+    joiners write no ``hb/`` key until the round closes (at thousands of nodes their beats during
+    the wait cost the store O(n²) per round), and every member heartbeats once it formed."""
+    monkeypatch.delenv("ELASTRUN_JOB_TOKEN", raising=False)
+    port = free_port()
+    conf = {"host_linger": "0", "heartbeat_interval": "0.1", "heartbeat_timeout": "1", "join_timeout": "30"}
+
+    def handler(i: int):
+        return create_handler(RendezvousParameters("c10d", f"127.0.0.1:{port}", "beats", 3, 3,
+                                                   config={**conf, "is_host": str(i == 0).lower()}))
+
+    handlers = [handler(i) for i in range(3)]
+    results: dict[int, object] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+        i, handlers[i].next_round(NodeInfo(f"n{i}", "127.0.0.1", 1, hostname=f"h{i}")))) for i in range(3)]
+    try:
+        store = handlers[0]._store
+        threads[0].start()
+        threads[1].start()
+        deadline = time.monotonic() + 10
+        while int(store.add("/elastrun/beats/r0/joined", 0)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # five heartbeat intervals with two of the three joined
+        first = handlers[0]._k("r0", "node", 1)
+        slot1 = store.get(first).decode()
+        beating = {n for n in ("n0", "n1") if store.check([handlers[0]._k("hb", n)])}
+        assert beating == {"n0" if '"n0"' in slot1 else "n1"}, (slot1, beating)
+        threads[2].start()
+        for t in threads:
+            t.join(20)
+        assert len(results) == 3
+        deadline = time.monotonic() + 5
+        while not store.check([handlers[0]._k("hb", f"n{i}") for i in range(3)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.check([handlers[0]._k("hb", f"n{i}") for i in range(3)])
+    finally:
+        for t in threads:
+            t.join(20)
+        for h in reversed(handlers):
+            h.close()

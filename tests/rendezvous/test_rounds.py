@@ -161,3 +161,20 @@ def test_a_result_that_inflates_past_the_limit_is_refused():
         decode_result(bomb)
     with pytest.raises(ValueError, match="cannot be decoded"):
         decode_result("z1:not-base64!")
+
+
+def test_ring_watch_gives_a_successor_never_seen_beating_its_first_beat_grace(monkeypatch):
+    from elastrun.rendezvous import keepalive
+
+    now = [100.0]
+    monkeypatch.setattr(keepalive.time, "monotonic", lambda: now[0])
+    watch = keepalive.RingWatch(2.5, first_beat_grace=2.5)
+    watch.retarget("b")
+    now[0] += 4.0
+    assert not watch.observe(None)  # no beat seen yet: 2.5 s + 2.5 s of grace
+    now[0] += 1.0
+    assert watch.observe(None)
+    watch.retarget("c")
+    assert not watch.observe("1:0.0")  # seen beating: the plain timeout from now on
+    now[0] += 2.5
+    assert watch.observe("1:0.0")
