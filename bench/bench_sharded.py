@@ -135,7 +135,8 @@ def worker_ddp(a: argparse.Namespace) -> dict:
     source = state.restore()
     elapsed = time.perf_counter() - t
     state.close()
-    return {"source": source, "seconds": elapsed, "transfer": state.last_transfer}
+    check = [float(v.double().sum()) for v in model.state_dict().values()]  # the same on every rank
+    return {"source": source, "seconds": elapsed, "transfer": state.last_transfer, "check": check}
 
 
 def worker_restore(a: argparse.Namespace) -> dict:
@@ -221,6 +222,27 @@ def run_job(a: argparse.Namespace, role: str, snaps: list[Path], extra: list[str
     return [json.loads(o.strip().splitlines()[-1]) for o in outs]
 
 
+def ddp_joiner(a: argparse.Namespace, shm: Path) -> None:
+    """A DDP joiner's restore (plain model saved at 1 rank, restored at 2, the new node empty), over
+    the process group and through the holder's snapshot server."""
+    ddp = [shm / f"ddp{i}" for i in range(2)]
+    run_job(a, "ddp", ddp[:1], ["--mode", "commit"])
+    print("\n| DDP joiner restore (plain 100M model, SGD), 1 → 2 | source | time (holder / joiner) | moved |"
+          "\n|---|---|---|---|")  # fmt: skip
+    ddp_nodes = Nodes(ddp)
+    try:
+        for what, envs in (("over the process group (gloo broadcast, before)", None),
+                           ("through the snapshot server (after)", [ddp_nodes.env(i) for i in range(2)])):
+            res = run_job(a, "ddp", ddp, ["--mode", "restore"], envs)
+            if res[0]["check"] != res[1]["check"]:
+                raise RuntimeError("the joiner's restored model differs from the holder's")
+            times = " / ".join(f"{x['seconds']:.2f} s" for x in res)
+            print(f"| {what} | {', '.join(str(x['source']) for x in res)} | {times} | {rate(res[1]['transfer'])} |",
+                  flush=True)
+    finally:
+        ddp_nodes.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--million", type=int, default=100)
@@ -232,6 +254,7 @@ def main() -> None:
     p.add_argument("--step-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--copies", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--peer", action="store_true", help="also the peer copy, the snapshot servers, DDP joiners")
+    p.add_argument("--ddp", action="store_true", help="only the DDP joiner's restore (over gloo and the server)")
     a = p.parse_args()
     if a.worker:
         et.init_distributed()
@@ -241,6 +264,14 @@ def main() -> None:
         dist.destroy_process_group()
         return
     shm = Path(tempfile.mkdtemp(prefix="elastrun-bench-sharded-", dir="/dev/shm"))
+    if a.ddp:
+        try:
+            print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+            ddp_joiner(a, shm)
+            print(f"\nload average after: {os.getloadavg()[0]:.1f}")
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)
+        return
     disk = Path(tempfile.mkdtemp(prefix="elastrun-bench-sharded-ckpt-"))
     node = [shm / f"node{i}" for i in range(4)]
     try:
@@ -284,19 +315,7 @@ def main() -> None:
             print(f"\nraw transfer: one rank read a {nbytes / 2**20:.0f} MiB shard file from a snapshot server "
                   f"over loopback (snapclient.fetch, {STREAMS} connections) in {took:.3f} s: "
                   f"{nbytes / took / 1e9:.2f} GB/s", flush=True)  # fmt: skip
-            ddp = [shm / f"ddp{i}" for i in range(2)]
-            run_job(a, "ddp", ddp[:1], ["--mode", "commit"])
-            print("\n| DDP joiner restore (plain 100M model, SGD), 1 → 2 | source | time (slowest rank) | moved |"
-                  "\n|---|---|---|---|")  # fmt: skip
-            ddp_nodes = Nodes(ddp)
-            try:
-                for what, envs in (("over the process group (gloo broadcast, before)", None),
-                                   ("through the snapshot server (after)", [ddp_nodes.env(i) for i in range(2)])):
-                    res = run_job(a, "ddp", ddp, ["--mode", "restore"], envs)
-                    print(f"| {what} | {', '.join(str(x['source']) for x in res)} | "
-                          f"{max(x['seconds'] for x in res):.2f} s | {rate(res[1]['transfer'])} |", flush=True)
-            finally:
-                ddp_nodes.close()
+            ddp_joiner(a, shm)
             nodes.close()
         print(f"\nload average after: {os.getloadavg()[0]:.1f}")
     finally:
