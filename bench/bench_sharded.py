@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -85,6 +86,7 @@ def worker_commit(a: argparse.Namespace) -> dict:
     state.flush()
     plain_s = commit_s = call_s = 0.0
     ratios = []
+    lags: list[int] = []  # at each commit with copies: commits since the newest step every copy of which finished
     for _ in range(a.rounds):
         dist.barrier()
         t = time.perf_counter()
@@ -98,6 +100,9 @@ def worker_commit(a: argparse.Namespace) -> dict:
             c = time.perf_counter()
             state.commit()
             call_s += time.perf_counter() - c
+            if a.copies > 1:
+                copied = state.copied_step
+                lags.append(state.step - copied if copied is not None else state.step)
         state.flush()
         with_commit = time.perf_counter() - t
         plain_s, commit_s = plain_s + plain, commit_s + with_commit
@@ -113,7 +118,8 @@ def worker_commit(a: argparse.Namespace) -> dict:
     state.close()
     n = 4 * a.rounds
     return {"step": plain_s / n, "step_commit": commit_s / n, "call": call_s / n,
-            "overhead": statistics.median(ratios), "shm_bytes": nbytes, "replica_bytes": replicas}  # fmt: skip
+            "overhead": statistics.median(ratios), "shm_bytes": nbytes, "replica_bytes": replicas,
+            "lags": lags}  # fmt: skip
 
 
 def worker_ddp(a: argparse.Namespace) -> dict:
@@ -255,6 +261,10 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--peer", action="store_true", help="also the peer copy, the snapshot servers, DDP joiners")
     p.add_argument("--ddp", action="store_true", help="only the DDP joiner's restore (over gloo and the server)")
+    p.add_argument("--commit-only", action="store_true", help="only the commit() rows (with --peer: 1 and 2 copies)")
+    p.add_argument("--busy", type=int, default=0, help="this many busy-loop processes beside the job (a loaded host)")
+    p.add_argument("--idle-only", action="store_true",
+                   help="copies stay at idle priority however late (the rule before, for comparison)")
     a = p.parse_args()
     if a.worker:
         et.init_distributed()
@@ -274,7 +284,16 @@ def main() -> None:
         return
     disk = Path(tempfile.mkdtemp(prefix="elastrun-bench-sharded-ckpt-"))
     node = [shm / f"node{i}" for i in range(4)]
+    if a.idle_only:
+        from elastrun.agent import replicator
+
+        replicator.TAKE_OVER = False
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
     try:
+        if busy:
+            print(f"{len(busy)} busy-loop process(es) beside the job (a loaded host)")
+        if a.idle_only:
+            print("copies at idle priority only (the rule before)")
         print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
         ckpt = ["--ckpt", str(disk)]
         print(f"\n{a.million}M parameters, FSDP2 at 2 ranks (gloo), AdamW; batch {BATCH}")
@@ -294,6 +313,18 @@ def main() -> None:
                       f"{x['call'] * 1e3:.1f} ms | {x['overhead'] * 100:+.1f} % | "
                       f"{(x['shm_bytes'] + x['replica_bytes']) / 2**30:.2f} GiB = {x['shm_bytes'] / 2**30:.2f} + "
                       f"{x['replica_bytes'] / 2**30:.2f} (rank {rank}) |", flush=True)  # fmt: skip
+            if nodes is not None:
+                lags = sorted(lag for x in r for lag in x["lags"])
+                late = sum(rep.stats["late"] for rep in nodes.replicators)
+                made = sum(rep.stats["copies"] for rep in nodes.replicators)
+                print(f"\nreplica lag at each timed commit (commits since the newest step whose copies all finished): "
+                      f"median {statistics.median(lags)}, max {max(lags)}; copies {made}, of which taken over "
+                      f"late {late}", flush=True)  # fmt: skip
+        if a.commit_only:
+            if nodes is not None:
+                nodes.close()
+            print(f"\nload average after: {os.getloadavg()[0]:.1f}")
+            return
         a.copies = 1
         plain = ["--mode", "plain-dcp", "--step-dir", str(max(disk.glob("step-*")))]  # the first job's
         print("\n| restore of the committed step | source (per rank) | time (slowest rank) |\n|---|---|---|")
@@ -319,6 +350,9 @@ def main() -> None:
             nodes.close()
         print(f"\nload average after: {os.getloadavg()[0]:.1f}")
     finally:
+        for p in busy:
+            p.kill()
+            p.wait()
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
 
