@@ -80,13 +80,15 @@ def worker_commit(a: argparse.Namespace) -> dict:
     state = et.State(model=model, optimizer=opt, checkpoint_dir=a.ckpt, snapshot_dir=a.snap, handle_signals=False,
                      copies=a.copies)  # fmt: skip
     state.restore()  # a fresh start; it also finds the other nodes' snapshot servers (the copies' targets)
+    lags: list[int] = []  # at each commit with copies: commits since the newest step every copy of which finished
     for _ in range(5):  # AdamW's state exists after the first step; the first copies allocate the slots' pages
         step(model, opt, x)
         state.commit()
+        if a.copies > 1 and state.step > 1:
+            lags.append(state.step - (state.copied_step or 0))
     state.flush()
     plain_s = commit_s = call_s = 0.0
     ratios = []
-    lags: list[int] = []  # at each commit with copies: commits since the newest step every copy of which finished
     for _ in range(a.rounds):
         dist.barrier()
         t = time.perf_counter()
@@ -101,8 +103,7 @@ def worker_commit(a: argparse.Namespace) -> dict:
             state.commit()
             call_s += time.perf_counter() - c
             if a.copies > 1:
-                copied = state.copied_step
-                lags.append(state.step - copied if copied is not None else state.step)
+                lags.append(state.step - (state.copied_step or 0))
         state.flush()
         with_commit = time.perf_counter() - t
         plain_s, commit_s = plain_s + plain, commit_s + with_commit
@@ -262,6 +263,7 @@ def main() -> None:
     p.add_argument("--peer", action="store_true", help="also the peer copy, the snapshot servers, DDP joiners")
     p.add_argument("--ddp", action="store_true", help="only the DDP joiner's restore (over gloo and the server)")
     p.add_argument("--commit-only", action="store_true", help="only the commit() rows (with --peer: 1 and 2 copies)")
+    p.add_argument("--copy-counts", default="1,2", help="with --peer: the copies= values of the commit() rows")
     p.add_argument("--busy", type=int, default=0, help="this many busy-loop processes beside the job (a loaded host)")
     p.add_argument("--idle-only", action="store_true",
                    help="copies stay at idle priority however late (the rule before, for comparison)")
@@ -300,7 +302,7 @@ def main() -> None:
         print("| copies | step | step + commit() | commit() call | overhead (median of rounds) | node memory per rank "
               "(own slots + replicas) |\n|---|---|---|---|---|---|")  # fmt: skip
         nodes = None
-        for copies in (1, 2) if a.peer else (1,):
+        for copies in [int(c) for c in a.copy_counts.split(",")] if a.peer else (1,):
             a.copies = copies
             if copies > 1:
                 for d in node[:2]:
@@ -317,7 +319,7 @@ def main() -> None:
                 lags = sorted(lag for x in r for lag in x["lags"])
                 late = sum(rep.stats["late"] for rep in nodes.replicators)
                 made = sum(rep.stats["copies"] for rep in nodes.replicators)
-                print(f"\nreplica lag at each timed commit (commits since the newest step whose copies all finished): "
+                print(f"\nreplica lag at each commit (commits since the newest step whose copies all finished): "
                       f"median {statistics.median(lags)}, max {max(lags)}; copies {made}, of which taken over "
                       f"late {late}", flush=True)  # fmt: skip
         if a.commit_only:
