@@ -134,9 +134,12 @@ def _dtype_shape(entry: Any) -> tuple[torch.dtype, tuple[int, ...], int, int]:
     return getattr(torch, dtype_name), tuple(shape), offset, nbytes
 
 
-def _check(header: dict[str, Any]) -> None:
+def check(header: dict[str, Any], buffer: torch.Tensor | None = None) -> None:
+    """ValueError unless :func:`materialize` can read ``header`` (and ``buffer``, when given)."""
     if header.get("format") != FORMAT_VERSION:
         raise ValueError(f"unknown state format {header.get('format')!r} (expected {FORMAT_VERSION})")
+    if buffer is not None and buffer.numel() < header["nbytes"]:
+        raise ValueError(f"state buffer holds {buffer.numel()} bytes, header needs {header['nbytes']}")
 
 
 def materialize(header: dict[str, Any], buffer: torch.Tensor, into: dict[int, torch.Tensor] | None = None) -> Any:
@@ -145,9 +148,7 @@ def materialize(header: dict[str, Any], buffer: torch.Tensor, into: dict[int, to
     ``into``: tensors the caller already holds (a model's own parameters, see :func:`landing`) by
     entry index: those entries are copied into them rather than into fresh memory, and the tree
     holds them (so ``load_state_dict`` then has nothing left to copy)."""
-    _check(header)
-    if buffer.numel() < header["nbytes"]:
-        raise ValueError(f"state buffer holds {buffer.numel()} bytes, header needs {header['nbytes']}")
+    check(header, buffer)
     into = into or {}
     tensors = []
     for i, entry in enumerate(header["entries"]):
@@ -208,7 +209,7 @@ class Receipt:
     copy, no buffer kept alive by views); runs of small entries land in staging buffers."""
 
     def __init__(self, header: dict[str, Any], into: dict[int, torch.Tensor] | None = None) -> None:
-        _check(header)
+        check(header)
         self._header = header
         self._into = into or {}
         #: Entries received straight into ``into``'s tensors (written while the ranges arrive).

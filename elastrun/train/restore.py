@@ -27,7 +27,7 @@ import torch
 
 from elastrun.train import dist as edist
 from elastrun.train import notes, reform, rng, snapclient
-from elastrun.train.blob import Receipt, copy_into, flatten, landing, make_header, materialize
+from elastrun.train.blob import Receipt, check, copy_into, flatten, landing, make_header, materialize
 from elastrun.train.checkpoint import CheckpointCorrupt, CheckpointDir, DiskCandidate
 from elastrun.train.plan import Plan, Report, make_plan
 from elastrun.train.snapshot import MemorySnapshots, SlotInfo, parse_meta
@@ -234,6 +234,7 @@ class Restorer:
             try:
                 info = slots[plan.step]
                 data = self._mem.read(info)
+                check(info.header, data)
                 return lambda: materialize(info.header, data, self._landing(info.header)), None
             except (OSError, ValueError, KeyError) as e:
                 notes.warn(f"memory snapshot of step {plan.step} unreadable on rank {self._rank}: {e}", stacklevel=3)
