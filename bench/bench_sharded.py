@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -79,9 +80,12 @@ def worker_commit(a: argparse.Namespace) -> dict:
     state = et.State(model=model, optimizer=opt, checkpoint_dir=a.ckpt, snapshot_dir=a.snap, handle_signals=False,
                      copies=a.copies)  # fmt: skip
     state.restore()  # a fresh start; it also finds the other nodes' snapshot servers (the copies' targets)
+    lags: list[int] = []  # at each commit with copies: commits since the newest step every copy of which finished
     for _ in range(5):  # AdamW's state exists after the first step; the first copies allocate the slots' pages
         step(model, opt, x)
         state.commit()
+        if a.copies > 1 and state.step > 1:
+            lags.append(state.step - (state.copied_step or 0))
     state.flush()
     plain_s = commit_s = call_s = 0.0
     ratios = []
@@ -98,6 +102,8 @@ def worker_commit(a: argparse.Namespace) -> dict:
             c = time.perf_counter()
             state.commit()
             call_s += time.perf_counter() - c
+            if a.copies > 1:
+                lags.append(state.step - (state.copied_step or 0))
         state.flush()
         with_commit = time.perf_counter() - t
         plain_s, commit_s = plain_s + plain, commit_s + with_commit
@@ -113,7 +119,8 @@ def worker_commit(a: argparse.Namespace) -> dict:
     state.close()
     n = 4 * a.rounds
     return {"step": plain_s / n, "step_commit": commit_s / n, "call": call_s / n,
-            "overhead": statistics.median(ratios), "shm_bytes": nbytes, "replica_bytes": replicas}  # fmt: skip
+            "overhead": statistics.median(ratios), "shm_bytes": nbytes, "replica_bytes": replicas,
+            "lags": lags}  # fmt: skip
 
 
 def worker_ddp(a: argparse.Namespace) -> dict:
@@ -124,18 +131,30 @@ def worker_ddp(a: argparse.Namespace) -> dict:
     layers = max(2, round(a.million * 1e6 / width**2))
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    if a.mode == "torch.load":  # what a torchrun job does: every rank reloads the checkpoint file
+        dist.barrier()
+        t = time.perf_counter()
+        saved = torch.load(a.step_dir, weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        elapsed = time.perf_counter() - t
+        check = [float(v.double().sum()) for v in model.state_dict().values()]
+        return {"source": "torch.load", "seconds": elapsed, "transfer": None, "check": check}
     state = et.State(model=model, optimizer=opt, snapshot_dir=a.snap, handle_signals=False)
     if a.mode == "commit":
         state.commit()
         state.flush()
         state.close()
+        if a.step_dir:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, a.step_dir)
         return {}
     dist.barrier()
     t = time.perf_counter()
     source = state.restore()
     elapsed = time.perf_counter() - t
     state.close()
-    return {"source": source, "seconds": elapsed, "transfer": state.last_transfer}
+    check = [float(v.double().sum()) for v in model.state_dict().values()]  # the same on every rank
+    return {"source": source, "seconds": elapsed, "transfer": state.last_transfer, "check": check}
 
 
 def worker_restore(a: argparse.Namespace) -> dict:
@@ -221,6 +240,33 @@ def run_job(a: argparse.Namespace, role: str, snaps: list[Path], extra: list[str
     return [json.loads(o.strip().splitlines()[-1]) for o in outs]
 
 
+def ddp_joiner(a: argparse.Namespace, shm: Path) -> None:
+    """A DDP joiner's restore (plain model saved at 1 rank, restored at 2, the new node empty), over
+    the process group and through the holder's snapshot server."""
+    ddp = [shm / f"ddp{i}" for i in range(2)]
+    ckpt = Path(tempfile.mkdtemp(prefix="elastrun-bench-ddp-ckpt-")) / "state.pt"  # on disk (page cache warm)
+    run_job(a, "ddp", ddp[:1], ["--mode", "commit", "--step-dir", str(ckpt)])
+    print(f"\n| DDP joiner restore (plain {a.million}M model, SGD), 1 → 2 | source | time (holder / joiner) | moved |"
+          "\n|---|---|---|---|")  # fmt: skip
+    ddp_nodes = Nodes(ddp)
+    try:
+        for what, envs, mode in (
+            ("over the process group (gloo broadcast)", None, "restore"),
+            ("through the holder's snapshot server (the default under elastrun)", [ddp_nodes.env(i) for i in range(2)],
+             "restore"),
+            ("torchrun's way: every rank torch.load()s the checkpoint file", None, "torch.load"),
+        ):  # fmt: skip
+            res = run_job(a, "ddp", ddp, ["--mode", mode, "--step-dir", str(ckpt)], envs)
+            if res[0]["check"] != res[1]["check"]:
+                raise RuntimeError("the joiner's restored model differs from the holder's")
+            times = " / ".join(f"{x['seconds']:.2f} s" for x in res)
+            print(f"| {what} | {', '.join(str(x['source']) for x in res)} | {times} | {rate(res[1]['transfer'])} |",
+                  flush=True)
+    finally:
+        ddp_nodes.close()
+        shutil.rmtree(ckpt.parent, ignore_errors=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--million", type=int, default=100)
@@ -232,6 +278,12 @@ def main() -> None:
     p.add_argument("--step-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--copies", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--peer", action="store_true", help="also the peer copy, the snapshot servers, DDP joiners")
+    p.add_argument("--ddp", action="store_true", help="only the DDP joiner's restore (over gloo and the server)")
+    p.add_argument("--commit-only", action="store_true", help="only the commit() rows (with --peer: 1 and 2 copies)")
+    p.add_argument("--copy-counts", default="1,2", help="with --peer: the copies= values of the commit() rows")
+    p.add_argument("--busy", type=int, default=0, help="this many busy-loop processes beside the job (a loaded host)")
+    p.add_argument("--idle-only", action="store_true",
+                   help="copies stay at idle priority however late (the rule before, for comparison)")
     a = p.parse_args()
     if a.worker:
         et.init_distributed()
@@ -241,16 +293,33 @@ def main() -> None:
         dist.destroy_process_group()
         return
     shm = Path(tempfile.mkdtemp(prefix="elastrun-bench-sharded-", dir="/dev/shm"))
+    if a.ddp:
+        try:
+            print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+            ddp_joiner(a, shm)
+            print(f"\nload average after: {os.getloadavg()[0]:.1f}")
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)
+        return
     disk = Path(tempfile.mkdtemp(prefix="elastrun-bench-sharded-ckpt-"))
     node = [shm / f"node{i}" for i in range(4)]
+    if a.idle_only:
+        from elastrun.agent import replicator
+
+        replicator.TAKE_OVER = False
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
     try:
+        if busy:
+            print(f"{len(busy)} busy-loop process(es) beside the job (a loaded host)")
+        if a.idle_only:
+            print("copies at idle priority only (the rule before)")
         print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
         ckpt = ["--ckpt", str(disk)]
         print(f"\n{a.million}M parameters, FSDP2 at 2 ranks (gloo), AdamW; batch {BATCH}")
         print("| copies | step | step + commit() | commit() call | overhead (median of rounds) | node memory per rank "
               "(own slots + replicas) |\n|---|---|---|---|---|---|")  # fmt: skip
         nodes = None
-        for copies in (1, 2) if a.peer else (1,):
+        for copies in [int(c) for c in a.copy_counts.split(",")] if a.peer else (1,):
             a.copies = copies
             if copies > 1:
                 for d in node[:2]:
@@ -263,6 +332,18 @@ def main() -> None:
                       f"{x['call'] * 1e3:.1f} ms | {x['overhead'] * 100:+.1f} % | "
                       f"{(x['shm_bytes'] + x['replica_bytes']) / 2**30:.2f} GiB = {x['shm_bytes'] / 2**30:.2f} + "
                       f"{x['replica_bytes'] / 2**30:.2f} (rank {rank}) |", flush=True)  # fmt: skip
+            if nodes is not None:
+                lags = sorted(lag for x in r for lag in x["lags"])
+                late = sum(rep.stats["late"] for rep in nodes.replicators)
+                made = sum(rep.stats["copies"] for rep in nodes.replicators)
+                print(f"\nreplica lag at each commit (commits since the newest step whose copies all finished): "
+                      f"median {statistics.median(lags)}, max {max(lags)}; copies {made}, of which taken over "
+                      f"late {late}", flush=True)  # fmt: skip
+        if a.commit_only:
+            if nodes is not None:
+                nodes.close()
+            print(f"\nload average after: {os.getloadavg()[0]:.1f}")
+            return
         a.copies = 1
         plain = ["--mode", "plain-dcp", "--step-dir", str(max(disk.glob("step-*")))]  # the first job's
         print("\n| restore of the committed step | source (per rank) | time (slowest rank) |\n|---|---|---|")
@@ -284,22 +365,13 @@ def main() -> None:
             print(f"\nraw transfer: one rank read a {nbytes / 2**20:.0f} MiB shard file from a snapshot server "
                   f"over loopback (snapclient.fetch, {STREAMS} connections) in {took:.3f} s: "
                   f"{nbytes / took / 1e9:.2f} GB/s", flush=True)  # fmt: skip
-            ddp = [shm / f"ddp{i}" for i in range(2)]
-            run_job(a, "ddp", ddp[:1], ["--mode", "commit"])
-            print("\n| DDP joiner restore (plain 100M model, SGD), 1 → 2 | source | time (slowest rank) | moved |"
-                  "\n|---|---|---|---|")  # fmt: skip
-            ddp_nodes = Nodes(ddp)
-            try:
-                for what, envs in (("over the process group (gloo broadcast, before)", None),
-                                   ("through the snapshot server (after)", [ddp_nodes.env(i) for i in range(2)])):
-                    res = run_job(a, "ddp", ddp, ["--mode", "restore"], envs)
-                    print(f"| {what} | {', '.join(str(x['source']) for x in res)} | "
-                          f"{max(x['seconds'] for x in res):.2f} s | {rate(res[1]['transfer'])} |", flush=True)
-            finally:
-                ddp_nodes.close()
+            ddp_joiner(a, shm)
             nodes.close()
         print(f"\nload average after: {os.getloadavg()[0]:.1f}")
     finally:
+        for p in busy:
+            p.kill()
+            p.wait()
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
 

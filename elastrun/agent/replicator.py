@@ -2,9 +2,9 @@
 
 A worker that wants a committed shard file copied leaves a push request in the snapshot directory
 (:class:`~elastrun.peer.replicas.PushRequest`: which slot, which step, the meta's CRC, the snapshot
-servers to copy it to).  The :class:`Replicator`, a thread of the agent at ``SCHED_IDLE`` priority
-(it only takes CPU time a core would otherwise leave idle, as the workers' own snapshot copy does),
-picks the request up within :data:`POLL` seconds and, for each target:
+servers to copy it to, how often the worker commits).  The :class:`Replicator`, threads of the
+agent, picks the request up as soon as it is written (the directory is watched with inotify where
+the platform has it, else polled every :data:`POLL` seconds) and, for each target:
 
 1. checks that the slot still holds that step (its meta's CRC);
 2. sends a ``put`` (:mod:`elastrun.peer.wire`) with the meta file, waits for the receiver's go;
@@ -18,6 +18,17 @@ Then it writes the outcome (:class:`~elastrun.peer.replicas.PushStatus`) and rem
 the worker asks for the next copy only once every rank's request is gone (the decision is taken
 together, at a commit, so that every rank's copies are of the same steps).  A target that cannot be
 reached costs that copy, never a wait in training.
+
+**Priority (the pacing rule).**  A copy starts on a thread at ``SCHED_IDLE``: it takes only CPU
+time a core would otherwise leave idle, so where training leaves any, the copy costs training
+nothing.  On a host whose cores training (or anything else) keeps busy, an idle thread may not run
+for seconds, and the replicas would fall many commits behind.  So a copy still unfinished one
+commit interval after it began (the interval the worker measured, in the request; :data:`GRACE`
+when unknown) is taken over, from the next piece of at most :data:`PIECE` bytes, by a second thread
+at nice :data:`LATE_NICE`: the kernel's fair scheduler gives it all of a core no one else wants
+and, against one busy thread at nice 0, about 5 % of a contended core (weight 56 against 1024):
+the issue's budget for the copies' cost to a step.  Two threads, not one raised: an unprivileged
+thread can lower its priority but never raise it again.
 """
 
 from __future__ import annotations
@@ -25,18 +36,32 @@ from __future__ import annotations
 import base64
 import mmap
 import os
+import re
 import socket
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from elastrun.agent.dirwatch import Watch
 from elastrun.peer import wire
 from elastrun.peer.replicas import BLOCK, PushRequest, PushStatus, meta_crc, pending_pushes, read_meta_crc, status_path
 
-#: Seconds between looks for new push requests.
+_PUSH_NAME = re.compile(r"push\.[a-z]+\.r\d+\.json")
+
+#: Seconds between looks for new push requests where the directory cannot be watched.
 POLL = 0.05
+#: Seconds a copy runs at idle priority before it is taken over at :data:`LATE_NICE`, when the
+#: request does not say how often its worker commits.
+GRACE = 1.0
+#: The nice value of the thread that takes over a late copy (see the module docstring).
+LATE_NICE = 15
+#: False: copies stay at idle priority however late (the rule before; for comparisons).
+TAKE_OVER = True
+#: Bytes sent between two looks at whether the copy changed hands (a late copy waits at most for
+#: one piece still held by the idle thread).
+PIECE = 1 << 20
 #: Seconds to connect to a target, and to wait on one during a copy.
 CONNECT_TIMEOUT = 5.0
 IO_TIMEOUT = 60.0
@@ -46,6 +71,16 @@ def set_idle() -> None:
     """Put the calling thread at ``SCHED_IDLE`` where the platform allows it (Linux; best effort)."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        pass
+
+
+def set_late() -> None:
+    """Put the calling thread at nice :data:`LATE_NICE` (never higher than it is; best effort)."""
+    try:
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) < LATE_NICE:
+            os.setpriority(os.PRIO_PROCESS, tid, LATE_NICE)  # this thread only (Linux)
     except (AttributeError, OSError):
         pass
 
@@ -68,54 +103,121 @@ class Replicator:
         self.warn = warn
         self._conns: dict[str, socket.socket] = {}
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        # The dispatcher (nice LATE_NICE): finds requests, hands them to the idle thread, takes a late
+        # one over.  The idle thread (SCHED_IDLE): does the copies while they keep pace.
         self._thread = threading.Thread(target=self._loop, name="elastrun-replicator", daemon=True)
+        self._idle_thread = threading.Thread(target=self._idle_loop, name="elastrun-replicator-idle", daemon=True)
+        self._turn = threading.Lock()  # held by the thread advancing the copy in progress
+        self._cond = threading.Condition()
+        self._handed: _Job | None = None  # a job for the idle thread, not yet taken
+        self._watch: Watch | None = None
         self._warned: set[str] = set()
-        #: Copies made and bytes sent, for benchmarks and the report.
-        self.stats = {"copies": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
+        #: Copies made and bytes sent, copies taken over late, for benchmarks and the report.
+        self.stats = {"copies": 0, "failed": 0, "bytes": 0, "seconds": 0.0, "late": 0}
 
     def start(self) -> None:
+        self._watch = Watch(self.dir, _PUSH_NAME, self._wake)
+        self._idle_thread.start()
         self._thread.start()
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
+        with self._cond:
+            self._cond.notify_all()
         for conn in list(self._conns.values()):
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        if self._thread.is_alive():
-            self._thread.join(10)
+        for t in (self._thread, self._idle_thread):
+            if t.is_alive():
+                t.join(10)
+        if self._watch is not None:
+            self._watch.close()
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
 
+    # -- the two threads -------------------------------------------------------------------------
     def _loop(self) -> None:
-        set_idle()
+        set_late()
         while not self._stop.is_set():
+            self._wake.clear()
             for path in pending_pushes(self.dir):
                 if self._stop.is_set():
                     return
-                self.push(path)
-            self._stop.wait(POLL)
+                self._dispatch(path)
+            self._wake.wait(self._watch.timeout if self._watch is not None else POLL)
+
+    def _dispatch(self, path: Path) -> None:
+        """Serve one request: on the idle thread while it keeps pace, on this one once it is late."""
+        job = _Job(self, path)
+        with self._cond:
+            self._handed = job
+            self._cond.notify_all()
+        while not job.finished.wait(max(0.0, job.began + job.grace - time.monotonic())):
+            if self._stop.is_set():
+                return
+            if TAKE_OVER and time.monotonic() >= job.began + job.grace:
+                job.late = True
+                self.stats["late"] += 1
+                self._advance(job, late=True)
+        with self._cond:
+            if self._handed is job:
+                self._handed = None
+
+    def _idle_loop(self) -> None:
+        set_idle()
+        while not self._stop.is_set():
+            with self._cond:
+                while self._handed is None and not self._stop.is_set():
+                    self._cond.wait()
+                job, self._handed = self._handed, None
+            if job is not None:
+                self._advance(job, late=False)
+
+    def _advance(self, job: _Job, late: bool) -> None:
+        """Run ``job`` a piece at a time until it is done or, on the idle thread, taken over."""
+        while not job.finished.is_set():
+            with self._turn:
+                if job.late and not late:
+                    return
+                try:
+                    next(job.steps)
+                except StopIteration:
+                    job.finished.set()
+                except Exception as e:  # a bug must not stop the copies (nor the agent)
+                    job.finished.set()
+                    self.warn(f"replicator: {type(e).__name__}: {e}")
 
     def push(self, path: Path) -> PushStatus | None:
-        """Serve the request at ``path`` (every target), record the outcome, remove the request."""
-        req = PushRequest.read(path)
+        """Serve the request at ``path`` on the calling thread (every target), record the outcome,
+        remove the request."""
+        job = _Job(self, path)
+        self._advance(job, late=True)
+        return job.status
+
+    def _steps(self, path: Path, req: PushRequest | None, job: _Job) -> Iterator[None]:
+        """The work of one request, a piece at a time (a generator: either thread may advance it)."""
         if req is None:
             path.unlink(missing_ok=True)
-            return None
+            return
         began = time.monotonic()
         errors = []
         for target in req.targets:
             try:
-                self._send(req, target)
+                yield from self._send(req, target)
             except (OSError, ValueError) as e:
                 self._drop(target)
                 errors.append(f"{target}: {e}")
         took = time.monotonic() - began
-        status = PushStatus(req.step, not errors, req.targets, req.nbytes, round(took, 4), "; ".join(errors))
+        status = PushStatus(req.step, not errors, req.targets, req.nbytes, round(took, 4), "; ".join(errors),
+                            late=job.late)  # fmt: skip
         status.write(status_path(self.dir, req.kind, req.rank))
         path.unlink(missing_ok=True)
+        job.status = status
         if errors:
             self.stats["failed"] += 1
             key = errors[0].split(":", 1)[0]
@@ -126,7 +228,6 @@ class Replicator:
             self.stats["copies"] += 1
             self.stats["bytes"] += req.nbytes * len(req.targets)
             self.stats["seconds"] += took
-        return status
 
     def _conn(self, target: str) -> socket.socket:
         conn = self._conns.get(target)
@@ -147,7 +248,7 @@ class Replicator:
         if conn is not None:
             conn.close()
 
-    def _send(self, req: PushRequest, target: str) -> None:
+    def _send(self, req: PushRequest, target: str) -> Iterator[None]:
         meta_path = self.dir / f"{req.name}.meta"
         try:
             meta = meta_path.read_bytes()
@@ -170,8 +271,13 @@ class Replicator:
                     try:
                         for lo in range(0, req.nbytes, BLOCK):
                             hi = min(lo + BLOCK, req.nbytes)
-                            crcs.append(zlib.crc32(view[lo:hi]))
-                            conn.sendfile(f, lo, hi - lo)
+                            crc = 0
+                            for at in range(lo, hi, PIECE):  # the CRC of each piece just before it goes
+                                end = min(at + PIECE, hi)
+                                crc = zlib.crc32(view[at:end], crc)
+                                conn.sendfile(f, at, end - at)
+                                yield
+                            crcs.append(crc)
                     finally:
                         view.release()
         if read_meta_crc(meta_path) != req.meta_crc:
@@ -181,3 +287,17 @@ class Replicator:
         wire.send_msg(conn, {"ok": True, "crcs": crcs})
         wire.expect_ok(wire.recv_msg(conn), f"snapshot server {target}")
 
+
+
+class _Job:
+    """A request being served: its steps (advanced by one thread at a time), when it began, how long it
+    may stay at idle priority, whether the late thread took it over, and its outcome."""
+
+    def __init__(self, replicator: Replicator, path: Path) -> None:
+        self.began = time.monotonic()
+        req = PushRequest.read(path)
+        self.grace = req.interval if req is not None and req.interval > 0 else GRACE
+        self.late = False
+        self.finished = threading.Event()
+        self.status: PushStatus | None = None
+        self.steps = replicator._steps(path, req, self)

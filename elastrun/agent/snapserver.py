@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from elastrun import log
-from elastrun.agent.replicator import Replicator, set_idle
+from elastrun.agent.replicator import Replicator, set_late
 from elastrun.agent.runtime import NodeRuntime, NodeService
 from elastrun.peer import wire
 from elastrun.peer.replicas import (
@@ -145,7 +145,10 @@ class SnapshotServer:
                     if op == "get":
                         self._get(conn, req)
                     elif op == "put":
-                        set_idle()  # replicas are copied with the CPU time training leaves idle
+                        # The receiving side of a copy: at the late copies' nice, never at idle priority
+                        # (it only works as fast as the sender sends, and a receiver starved at idle
+                        # would stall a sender that has been given its share; see replicator.py).
+                        set_late()
                         self._put(conn, req)
                     else:
                         raise _Refused(f"unknown request {op!r}")

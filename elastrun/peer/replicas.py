@@ -142,6 +142,9 @@ class PushRequest:
     nbytes: int
     meta_crc: int
     targets: list[str] = field(default_factory=list)
+    #: Seconds between the worker's recent commits (0: unknown): how long the copy may take at idle
+    #: priority before the agent gives it a share of a busy core (``elastrun/agent/replicator.py``).
+    interval: float = 0.0
 
     def write(self, snapshot_dir: Path) -> Path:
         path = push_path(snapshot_dir, self.kind, self.rank)
@@ -157,7 +160,8 @@ class PushRequest:
         except (OSError, ValueError, TypeError):
             return None
         ok = (isinstance(req.kind, str) and isinstance(req.name, str) and isinstance(req.targets, list)
-              and all(isinstance(v, int) for v in (req.rank, req.step, req.world_size, req.nbytes, req.meta_crc)))
+              and all(isinstance(v, int) for v in (req.rank, req.step, req.world_size, req.nbytes, req.meta_crc))
+              and isinstance(req.interval, (int, float)))
         return req if ok else None
 
 
@@ -179,6 +183,7 @@ class PushStatus:
     nbytes: int
     seconds: float
     error: str = ""
+    late: bool = False  # taken over from idle priority (the host had no idle CPU time for it)
 
     def write(self, path: Path) -> None:
         _write_json(path, asdict(self))

@@ -129,17 +129,132 @@ def _unwalk(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return _rebuild(obj, lambda v: _unwalk(v, tensors))
 
 
-def materialize(header: dict[str, Any], buffer: torch.Tensor) -> Any:
-    """Rebuild the state tree from a header and its buffer; tensors are fresh copies (own memory)."""
+def _dtype_shape(entry: Any) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    dtype_name, shape, offset, nbytes = entry
+    return getattr(torch, dtype_name), tuple(shape), offset, nbytes
+
+
+def check(header: dict[str, Any], buffer: torch.Tensor | None = None) -> None:
+    """ValueError unless :func:`materialize` can read ``header`` (and ``buffer``, when given)."""
     if header.get("format") != FORMAT_VERSION:
         raise ValueError(f"unknown state format {header.get('format')!r} (expected {FORMAT_VERSION})")
-    if buffer.numel() < header["nbytes"]:
+    if buffer is not None and buffer.numel() < header["nbytes"]:
         raise ValueError(f"state buffer holds {buffer.numel()} bytes, header needs {header['nbytes']}")
+
+
+def materialize(header: dict[str, Any], buffer: torch.Tensor, into: dict[int, torch.Tensor] | None = None) -> Any:
+    """Rebuild the state tree from a header and its buffer; tensors are fresh copies (own memory).
+
+    ``into``: tensors the caller already holds (a model's own parameters, see :func:`landing`) by
+    entry index: those entries are copied into them rather than into fresh memory, and the tree
+    holds them (so ``load_state_dict`` then has nothing left to copy)."""
+    check(header, buffer)
+    into = into or {}
     tensors = []
-    for dtype_name, shape, offset, nbytes in header["entries"]:
-        dtype = getattr(torch, dtype_name)
+    for i, entry in enumerate(header["entries"]):
+        dtype, shape, offset, nbytes = _dtype_shape(entry)
         if nbytes == 0:
             tensors.append(torch.empty(shape, dtype=dtype))
+        elif i in into:
+            _land(into[i], buffer[offset : offset + nbytes])
+            tensors.append(into[i])
         else:
             tensors.append(buffer[offset : offset + nbytes].view(dtype).reshape(shape).clone())
     return _unwalk(pickle.loads(header["skeleton"]), tensors)
+
+
+def _land(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy the bytes ``src`` into the contiguous CPU tensor ``dst`` (one ``memmove``, GIL released)."""
+    ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
+
+
+def landing(header: dict[str, Any], part: str, live: dict[str, Any]) -> dict[int, torch.Tensor]:
+    """Which entries of a state can land straight in tensors the reader already holds: ``live`` is
+    ``part``'s current value (a ``module.state_dict()``, whose tensors share the parameters'
+    memory).  All or nothing: only when the saved ``part`` has the same keys, dtypes and shapes
+    (what a strict ``load_state_dict`` accepts); only contiguous CPU tensors, each memory once."""
+    tree = pickle.loads(header["skeleton"])
+    refs = tree.get(part) if isinstance(tree, dict) else None
+    if not isinstance(refs, dict) or list(refs) != list(live):
+        return {}
+    into: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    for k, ref in refs.items():
+        t = live[k]
+        if not isinstance(ref, TensorRef) or not isinstance(t, torch.Tensor):
+            return {}
+        dtype, shape, _, nbytes = _dtype_shape(header["entries"][ref.index])
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            return {}
+        if nbytes and t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            into[ref.index] = t
+    return into
+
+
+#: Entries smaller than this are received together into one staging buffer (one request per run of
+#: them, not per tensor) and copied out; larger ones are received straight into their tensor.
+SMALL = 1 << 20
+
+
+class Receipt:
+    """Where a state's bytes land when a reader receives them by ranges (a snapshot server)::
+
+        receipt = Receipt(header, into)          # into: see landing()
+        for offset, view in receipt.ranges:      # fill every range (offset in the saved buffer)
+            ...
+        tree = receipt.tree()                    # only once every range was filled
+
+    Large entries land straight in ``into``'s tensors or in fresh tensors of their own (no second
+    copy, no buffer kept alive by views); runs of small entries land in staging buffers."""
+
+    def __init__(self, header: dict[str, Any], into: dict[int, torch.Tensor] | None = None) -> None:
+        check(header)
+        self._header = header
+        self._into = into or {}
+        #: Entries received straight into ``into``'s tensors (written while the ranges arrive).
+        self.landed = [i for i in self._into if header["entries"][i][3] >= SMALL]
+        self.ranges: list[tuple[int, torch.Tensor]] = []
+        self._tensors: list[torch.Tensor | None] = []
+        self._staged: list[tuple[int, torch.Tensor, int]] = []  # (entry, staging buffer, its start offset)
+        run: list[int] = []  # indices of the current run of small entries
+        for i, entry in enumerate(header["entries"]):
+            dtype, shape, offset, nbytes = _dtype_shape(entry)
+            if 0 < nbytes < SMALL:
+                run.append(i)
+                self._tensors.append(None)
+                continue
+            self._close_run(run)
+            if nbytes == 0:
+                self._tensors.append(torch.empty(shape, dtype=dtype))
+                continue
+            t = self._into.get(i)
+            if t is None:
+                t = torch.empty(shape, dtype=dtype)
+            self.ranges.append((offset, as_bytes(t)))
+            self._tensors.append(t)
+        self._close_run(run)
+
+    def _close_run(self, run: list[int]) -> None:
+        if not run:
+            return
+        entries = self._header["entries"]
+        start = entries[run[0]][2]
+        end = entries[run[-1]][2] + entries[run[-1]][3]
+        buf = torch.empty(end - start, dtype=torch.uint8)
+        self.ranges.append((start, buf))
+        self._staged += [(i, buf, start) for i in run]
+        run.clear()
+
+    def tree(self) -> Any:
+        """The state tree, once every range was filled."""
+        tensors = self._tensors
+        for i, buf, start in self._staged:
+            dtype, shape, offset, nbytes = _dtype_shape(self._header["entries"][i])
+            src = buf[offset - start : offset - start + nbytes]
+            if i in self._into:
+                _land(self._into[i], src)
+                tensors[i] = self._into[i]
+            else:
+                tensors[i] = src.view(dtype).reshape(shape).clone()
+        return _unwalk(pickle.loads(self._header["skeleton"]), tensors)

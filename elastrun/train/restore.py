@@ -27,7 +27,7 @@ import torch
 
 from elastrun.train import dist as edist
 from elastrun.train import notes, reform, rng, snapclient
-from elastrun.train.blob import copy_into, flatten, make_header, materialize
+from elastrun.train.blob import Receipt, check, copy_into, flatten, landing, make_header, materialize
 from elastrun.train.checkpoint import CheckpointCorrupt, CheckpointDir, DiskCandidate
 from elastrun.train.plan import Plan, Report, make_plan
 from elastrun.train.snapshot import MemorySnapshots, SlotInfo, parse_meta
@@ -70,6 +70,7 @@ class Restorer:
     _persister: BackgroundJob
     _steplog: StepLog
     _abandon: threading.Event
+    _landed: bool  # a transfer of this restore has written into the model's own tensors
     last_transfer: dict[str, Any] | None
     # and the methods _module(), _tree(), _tree_extras(), _apply(tree), _drain()
 
@@ -165,20 +166,29 @@ class Restorer:
         report, slots, disk = self._report()
         reports = edist.all_gather(report)
         excluded: set[tuple] = set()
+        landed = False
         for _ in range(4 * (len(slots) + len(disk)) + 8):
             plan = make_plan(reports, excluded)
             if plan is None:
+                if landed:  # every rank knows it (gathered below): none starts fresh beside a torn one
+                    raise RuntimeError(
+                        "State.restore(): a transfer that had begun writing into a rank's model failed part-way and "
+                        "no other copy of a committed step is left: that model is neither fresh nor restored, so "
+                        "the restore stops here (restart the job: it starts fresh)")
                 return None
+            self._landed = False
             loaded, failed = self._fetch(plan, slots, disk, reports, excluded)
-            bad = {f for f in edist.all_gather(failed) if f is not None}
+            outcomes = edist.all_gather((failed, self._landed))
+            bad = {f for f, _ in outcomes if f is not None}
             if bad:  # the copies that could not be read are left out of the next plan
                 excluded |= bad
+                landed = landed or any(lnd for _, lnd in outcomes)  # written into, not applied
                 continue
             if loaded is USE_LIVE:
                 self._rollback_live()
                 source = "live"
             else:
-                self._apply(loaded)
+                self._apply(loaded())
                 # What this process remembered of its own last commit is not what it now holds (the
                 # plan chose another step): a re-form before the next commit must not roll back to it.
                 self._live = None
@@ -196,10 +206,21 @@ class Restorer:
         copy_into(flat, data)
         return header, data
 
+    def _landing(self, header: dict[str, Any]) -> dict[int, torch.Tensor]:
+        """The entries of ``header`` that can land straight in the model's own parameters and
+        buffers (their pages are already touched: no fresh memory, no second copy)."""
+        module = self._module()
+        if module is None:
+            return {}
+        return landing(header, "model", module.state_dict())
+
     def _fetch(self, plan: Plan, slots: dict[int, SlotInfo], disk: dict[int, DiskCandidate],
                reports: list[Report], excluded: set[tuple]) -> tuple[Any, tuple | None]:  # fmt: skip
-        """The state tree of ``plan.step`` on this rank (or ``USE_LIVE``), and None; or None and the
-        key of the copy that could not be read (left out of the next plan).
+        """A function giving the state tree of ``plan.step`` on this rank (or ``USE_LIVE``), and
+        None; or None and the key of the copy that could not be read (left out of the next plan).
+        The tree is built only once every rank has its bytes (a local buffer is copied into the
+        model's own tensors then, not before: a plan that fails on another rank leaves this one's
+        objects as they were).
 
         A ``peer`` restore goes through the snapshot servers when every rank has one (each rank
         whose node lacks the step reads it from a node that has it; not collective), else by a
@@ -212,7 +233,9 @@ class Restorer:
                 return USE_LIVE, None
             try:
                 info = slots[plan.step]
-                return materialize(info.header, self._mem.read(info)), None
+                data = self._mem.read(info)
+                check(info.header, data)
+                return lambda: materialize(info.header, data, self._landing(info.header)), None
             except (OSError, ValueError, KeyError) as e:
                 notes.warn(f"memory snapshot of step {plan.step} unreadable on rank {self._rank}: {e}", stacklevel=3)
                 return None, ("mem", self._rank, plan.step)
@@ -222,7 +245,10 @@ class Restorer:
 
     def _from_server(self, plan: Plan, holders: list[Report]) -> tuple[Any, tuple | None]:
         """A rank whose node lacks the step reads it from the snapshot server of a node that has
-        it (``elastrun/agent/snapserver.py``): the meta, then the bytes straight into a buffer."""
+        it (``elastrun/agent/snapserver.py``): the meta, then the bytes, each range straight into
+        where it belongs: the model's own parameters when they match (see ``_landing``; a
+        transfer that fails part-way then leaves them neither fresh nor restored, which
+        ``_restore`` refuses to start from), fresh tensors for the rest."""
         holder = holders[self._rank % len(holders)]
         name, crc = holder.mem_ids[plan.step]
         began = time.perf_counter()
@@ -232,17 +258,22 @@ class Restorer:
                 header = parse_meta(client.meta("", name), self._mem.run_id)
             if header is None or header["step"] != plan.step:
                 raise ValueError(f"{name} on {holder.server} is not step {plan.step} any more")
-            data = torch.empty(header["nbytes"], dtype=torch.uint8)
-            get = snapclient.Get("", name, crc, 0, header["nbytes"], snapclient.writable(data))
-            [error] = snapclient.fetch(holder.server, key, [get])  # type: ignore[arg-type]
+            # Not into a live commit's objects (et.run): a failed transfer must not overwrite them.
+            receipt = Receipt(header, self._landing(header) if self._live is None else {})
+            gets = [snapclient.Get("", name, crc, offset, t.numel(), snapclient.writable(t))
+                    for offset, t in receipt.ranges]  # fmt: skip
+            self._landed = bool(receipt.landed)
+            errors = snapclient.fetch(holder.server, key, gets)  # type: ignore[arg-type]
+            error = next((e for e in errors if e is not None), None)
             if error is not None:
                 raise ValueError(error)
         except (OSError, ValueError) as e:
             notes.warn(f"step {plan.step} unreadable from rank {holder.rank}'s node ({holder.server}): {e}",
                        stacklevel=4)  # fmt: skip
             return None, ("mem", holder.rank, plan.step)
-        self.last_transfer = {"via": "server", "bytes": header["nbytes"], "seconds": time.perf_counter() - began}
-        return materialize(header, data), None
+        self.last_transfer = {"via": "server", "bytes": header["nbytes"], "seconds": time.perf_counter() - began,
+                              "in_place": sum(header["entries"][i][3] for i in receipt.landed)}  # fmt: skip
+        return receipt.tree, None
 
     def _broadcast(self, plan: Plan, slots: dict[int, SlotInfo], disk: dict[int, DiskCandidate],
                    live: bool) -> tuple[Any, tuple | None]:  # fmt: skip
@@ -275,7 +306,7 @@ class Restorer:
             self.last_transfer = {"via": "group", "bytes": header["nbytes"], "seconds": time.perf_counter() - began}
         if live:
             return USE_LIVE, None  # this rank's own objects already hold the step
-        return materialize(header, data), None
+        return lambda: materialize(header, data, self._landing(header)), None
 
     def _restore_rng(self, plan: Plan, disk: dict[int, DiskCandidate]) -> None:
         """Gather each rank's RNG state from whoever holds it, then apply (or derive) it."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -171,3 +172,45 @@ def test_fetch_spreads_ranges_over_parallel_connections(servers, monkeypatch):
     assert errors[0] is None and "not here any more" in errors[1]
     assert torch.equal(into, data)
     mem.close()
+
+
+def wait_status(directory, rank: int, step: int, seconds: float) -> PushStatus | None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        status = PushStatus.read(status_path(directory, "shard", rank))
+        if status is not None and status.step == step:
+            return status
+        time.sleep(0.01)
+    return None
+
+
+def test_a_running_replicator_finds_requests_as_they_are_written_and_takes_over_a_late_copy(servers):
+    """The agent's replicator threads: a request is picked up as it appears (inotify; no polling);
+    a copy still unfinished one commit interval after it began is finished by the late thread even
+    while the idle thread cannot advance it (here: it cannot get the turn, as when no core is idle)."""
+    a, b = servers("a"), servers("b")
+    rep = Replicator(a.dir, KEY, "node-a", warn=pytest.fail)
+    rep.start()
+    try:
+        assert rep._watch is not None and rep._watch.active
+        mem, slot, crc, data = publish(a.dir, 0, 1, 3 * BLOCK)
+        nbytes = mem.scan()[0].header["nbytes"]
+        PushRequest("shard", 0, mem.name(slot), 1, 2, nbytes, crc, [b.address], interval=60.0).write(a.dir)
+        status = wait_status(a.dir, 0, 1, 30)
+        assert status is not None and status.ok and not status.late, status  # in time: idle priority only
+
+        mem2, slot2, crc2, data2 = publish(a.dir, 0, 2, 3 * BLOCK)
+        with rep._turn:  # the idle thread cannot take a single piece
+            PushRequest("shard", 0, mem2.name(slot2), 2, 2, nbytes, crc2, [b.address], interval=0.3).write(a.dir)
+            deadline = time.monotonic() + 30
+            while not rep.stats["late"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert rep.stats["late"] == 1  # the dispatcher gave up on idle priority after the interval
+        status = wait_status(a.dir, 0, 2, 30)
+        assert status is not None and status.ok and status.late, status
+        found = {f.step: f for f in slots.scan_node(b.dir, "job")}
+        assert found[2].data.read_bytes()[: data2.numel()] == bytes(data2.numpy())
+        mem.close()
+        mem2.close()
+    finally:
+        rep.close()

@@ -154,6 +154,8 @@ def test_resize_two_one_two_every_sample_once(work, procs):
         wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
         b = procs.start(elastic(out, port, run_id, args), work / "b.log")
         wait_for(lambda: any(k[0] >= 0 and v["world_size"] == 2 for k, v in restores(out).items()), 60, "world 2")
+        # When A and B form the first round together, the world-2 restore comes before any step.
+        wait_for(lambda: committed_steps(out), 60, "a committed step")
         first = max(committed_steps(out))
         wait_for(lambda: max(committed_steps(out)) >= first + 8, 60, "progress at world size 2")
         os.killpg(b.pid, signal.SIGKILL)  # node loss: agent and worker

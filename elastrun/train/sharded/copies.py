@@ -24,6 +24,7 @@ its files is committed on a node and its twin's on another.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,9 @@ class Copies:
         self._queued = False  # a copy step's snapshot is still being written: its request comes after
         self._held: list[int] = []
         self._done: int | None = None
+        self._last_commit: float | None = None
+        #: Seconds between this rank's recent commits (a moving average; 0 until two were seen).
+        self.interval = 0.0
 
     def configure(self, reports: list[ShardReport], me: int, snapshot_dir: Path, my_twins: tuple[int, ...]) -> None:
         """After a restore (every rank's report): copy to the next ``count - 1`` nodes in the order of
@@ -63,6 +67,7 @@ class Copies:
             self._done = None
         self._dir, self._rank = Path(snapshot_dir), me
         self._queued, self._held = False, []
+        self._last_commit = None  # the gap across a restore is not a commit interval
         if wanted <= 0 or len(twin_nodes) >= wanted:
             self.targets = []
             return
@@ -81,7 +86,13 @@ class Copies:
         return self._done
 
     def busy(self) -> bool:
-        """Whether this rank's last copy is not finished (its request not yet written or still there)."""
+        """Whether this rank's last copy is not finished (its request not yet written or still there).
+        Asked once per commit, it also times the commits (the agent paces copies by their interval)."""
+        now = time.monotonic()
+        if self._last_commit is not None:
+            gap = now - self._last_commit
+            self.interval = gap if not self.interval else 0.75 * self.interval + 0.25 * gap
+        self._last_commit = now
         if self._queued:
             return True
         return self._dir is not None and push_path(self._dir, "shard", self._rank).exists()
@@ -96,7 +107,7 @@ class Copies:
     def request(self, mem: ShardSlots, slot: int, header: dict[str, Any], meta_crc: int) -> None:
         """The marked step's slot is published (on the snapshot writer's thread): ask for its copy."""
         req = PushRequest(mem.kind, mem.rank, mem.name(slot), header["step"], header["world_size"], header["nbytes"],
-                          meta_crc, list(self.targets))  # fmt: skip
+                          meta_crc, list(self.targets), round(self.interval, 3))  # fmt: skip
         req.write(mem.dir)
         self._queued = False
         mem.hold(slot)
