@@ -32,6 +32,32 @@ def _terminated(signum: int, frame: object) -> None:
 signal.signal(signal.SIGTERM, _terminated)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--tests-phase", choices=("all", "concurrent", "serial"), default="all",
+        help="tools/test.sh runs the suite in two phases: 'concurrent' (every test not marked serial, on "
+             "several xdist workers), then 'serial' (the tests marked serial, one at a time, alone); "
+             "default: all tests")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep the tests of the phase asked for (``--tests-phase``); a serial mark must say why."""
+    for item in items:
+        mark = item.get_closest_marker("serial")
+        if mark is not None and not (mark.args and isinstance(mark.args[0], str) and mark.args[0].strip()):
+            raise pytest.UsageError(f"{item.nodeid}: pytest.mark.serial needs its reason: serial('why')")
+    phase = config.getoption("--tests-phase")
+    if phase == "all":
+        return
+    keep: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        (keep if (item.get_closest_marker("serial") is not None) == (phase == "serial") else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
 @pytest.fixture
 def agents(tmp_path):
     """A :class:`tests.harness.Cluster` whose processes are killed (by PID) after the test."""
