@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up (tools/setup.sh) and runs the whole test suite: ruff, the import-circle check, then pytest in two
 # phases: every test not marked serial on TEST_WORKERS xdist workers at once (default 3: most tests wait on
-# the processes they start, so 3 keep 2 cores busy), then the tests marked serial, one at a time, alone.
+# the processes they start, so 3 keep 2 cores busy; tests/conftest.py's ONE_WORKER_FILES each stay on one
+# worker), then the tests marked serial, one at a time, alone.
 # Extra arguments go to both pytest runs, e.g. tools/test.sh tests/agent -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ bash tools/setup.sh
 # Exit code 5 is "no test selected": one phase that the arguments leave empty (e.g. tools/test.sh tests/cli)
 # is fine; both empty is still an error.
 codes=()
-for args in "-n ${TEST_WORKERS:-3} --dist loadgroup --tests-phase=concurrent" "--tests-phase=serial"; do
+for args in "-n ${TEST_WORKERS:-3} --tests-phase=concurrent" "--tests-phase=serial"; do
     rc=0
     # shellcheck disable=SC2086  # $args: the phase's own options, split into words
     .venv/bin/python -m pytest -q --durations=15 $args "$@" || rc=$?

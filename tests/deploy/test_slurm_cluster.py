@@ -34,12 +34,7 @@ EPOCHS = 3
 #: examples/train_imagenet_style.py's defaults: 2048 samples, 32 per rank and step; two ranks.
 STEPS = EPOCHS * 2048 // (32 * 2)
 
-pytestmark = [
-    pytest.mark.skipif(missing_reason() is not None, reason=missing_reason() or ""),
-    # One xdist worker runs this file (tools/test.sh): one SLURM cluster at a time on this host, as the
-    # two would be the same node (the host's name) to their daemons.
-    pytest.mark.xdist_group("slurm_cluster"),
-]
+pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=missing_reason() or "")
 
 
 @pytest.fixture

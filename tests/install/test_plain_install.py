@@ -23,9 +23,6 @@ import pytest
 
 from tests.harness import REPO, free_port
 
-#: One xdist worker runs this file (tools/test.sh): the plain venv is built once, not once per worker.
-pytestmark = pytest.mark.xdist_group("plain_install")
-
 HERE = Path(__file__).resolve().parent
 LOOP = HERE / "readme_loop.py"
 _RESULT = re.compile(r"rank (\d) source (\S+) restored (\d+) step (\d+) epoch (\d+) elastrun (\S+)")

@@ -25,9 +25,6 @@ from elastrun.observe.events import EventLog, read_log_dir
 from elastrun.observe.timeline import build_timeline, load_timeline
 from tests.harness import REPO, Cluster, base_env, free_port, listening, read_steps, wait_until
 
-#: One xdist worker runs this file (tools/test.sh): the recorded job is run once for the module.
-pytestmark = pytest.mark.xdist_group("recorded_run")
-
 RUN_ID = "obs-recorded"
 JOB = Path(__file__).with_name("join_crash_job.py")
 

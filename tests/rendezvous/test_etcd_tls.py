@@ -21,7 +21,6 @@ from tests.rendezvous.etcd_job import REPO, kill_group, read_steps, start_agent,
 pytestmark = [
     pytest.mark.etcd,
     pytest.mark.skipif(not etcd_available(), reason="no etcd binary (apt-get install etcd-server)"),
-    pytest.mark.xdist_group("etcd_tls"),  # one xdist worker (tools/test.sh): the TLS member is started once
 ]
 
 

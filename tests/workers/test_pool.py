@@ -28,9 +28,6 @@ from elastrun.workers.api import WorkerLaunch
 from elastrun.workers.pool import PoolHandle, PoolStarter, select_starter
 from elastrun.workers.spawn import ChildHandle, ExecStarter
 
-#: One xdist worker runs this file (tools/test.sh): its pool and stub driver are built once for the module.
-pytestmark = pytest.mark.xdist_group("pool")
-
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
