@@ -44,15 +44,21 @@ def quiet_port(host: str = "127.0.0.1") -> int:
     For servers whose peers connect to each other while the last of them is still starting (the
     members of an etcd cluster): ``free_port`` takes a port from the range the kernel also gives
     outgoing connections, so a member's own peer connection could take the port a sibling was
-    about to listen on ("bind: address already in use").
+    about to listen on ("bind: address already in use").  Under pytest-xdist each worker draws from
+    a slice of its own, so two tests running at once are never handed the same port either.
     """
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
+    start = max(1024, low - 12000)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    size = (low - start) // max(1, workers)
+    start += size * (worker % max(1, workers))
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low)
+        port = rng.randrange(start, start + size)
         if port in _quiet_handed_out:
             continue
         with socket.socket() as sock:

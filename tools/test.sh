@@ -1,9 +1,25 @@
 #!/usr/bin/env bash
-# Sets up (tools/setup.sh) and runs the whole test suite: ruff, the import-circle check, then pytest.
-# Extra arguments go to pytest, e.g. tools/test.sh tests/agent -x
+# Sets up (tools/setup.sh) and runs the whole test suite: ruff, the import-circle check, then pytest in two
+# phases: every test not marked serial on TEST_WORKERS xdist workers at once (default 3: most tests wait on
+# the processes they start, so 3 keep 2 cores busy; tests/conftest.py's ONE_WORKER_FILES each stay on one
+# worker), then the tests marked serial, one at a time, alone.
+# Extra arguments go to both pytest runs, e.g. tools/test.sh tests/agent -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
 .venv/bin/ruff check .
 .venv/bin/python tools/import_circles.py
-exec .venv/bin/python -m pytest -q --durations=15 "$@"
+# Exit code 5 is "no test selected": one phase that the arguments leave empty (e.g. tools/test.sh tests/cli)
+# is fine; both empty is still an error.
+codes=()
+for args in "-n ${TEST_WORKERS:-3} --tests-phase=concurrent" "--tests-phase=serial"; do
+    rc=0
+    # shellcheck disable=SC2086  # $args: the phase's own options, split into words
+    .venv/bin/python -m pytest -q --durations=15 $args "$@" || rc=$?
+    codes+=("$rc")
+done
+case "${codes[0]} ${codes[1]}" in
+    "0 0" | "0 5" | "5 0") exit 0 ;;
+    "5 5") exit 5 ;;
+    *) for rc in "${codes[@]}"; do if [ "$rc" != 0 ] && [ "$rc" != 5 ]; then exit "$rc"; fi; done ;;
+esac

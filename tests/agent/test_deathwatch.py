@@ -10,6 +10,8 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import pytest
+
 from tests.agent.jobs import Job, events, start_pair, steps_env
 from tests.harness import SCRIPTS, Cluster, base_env, free_port, read_steps, wait_until
 
@@ -29,6 +31,15 @@ def _lost_event(agents: Cluster, log_dir: Path) -> dict:
         raise AssertionError(f"{exc}\n{agents.outputs()}") from None
 
 
+#: These two ask that the link name the cause ("link"), not only that the node be found lost.  On 2 cores
+#: loaded by concurrent tests (tools/test.sh, 3 workers) the survivor's worker failed on the broken collective
+#: and its agent's next round closed without the killed nodes before the link's verdict came: the loss was
+#: named "silence" (4 of 4 runs of the two, in one suite run).  Run alone; see tests/rendezvous/test_link.py.
+_ALONE = pytest.mark.serial("the cause 'link' must beat the worker-failure round: not under the load of "
+                            "concurrent tests")
+
+
+@_ALONE
 def test_killed_agent_is_seen_from_its_closed_link(agents, job, tmp_path):
     a0, a1, logs = start_pair(agents, job, tmp_path, steps_env(tmp_path))
     _running_together(agents, tmp_path)
@@ -40,6 +51,7 @@ def test_killed_agent_is_seen_from_its_closed_link(agents, job, tmp_path):
     assert a0.proc.poll() is None, agents.outputs()
 
 
+@_ALONE
 def test_two_neighbours_killed_at_once_are_both_seen_from_links(agents, job, tmp_path):
     """Ring 0 → 1 → 2 → 0: node 0 watches 1, whose watcher of 2 dies with it.  Node 0 finds 1 gone,
     moves on to 2 at once and finds it gone too: both from their links, none from silence."""

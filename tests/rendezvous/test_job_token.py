@@ -99,6 +99,9 @@ def _flags(port: int, run_id: str, tmp_path, extra: str = "") -> list[str]:
             f"--rdzv-id={run_id}", conf, f"--log-dir={tmp_path / 'logs'}"]
 
 
+#: On 3 xdist workers (load ~7) the status read without a token (3 s store timeout) once timed out connecting to
+#: the host agent's store instead of being refused for its token; not investigated yet (suite-report.md).
+@pytest.mark.serial("a 3 s status read to the host's store timed out once under concurrent tests' load")
 def test_c10d_job_with_a_token_admits_only_nodes_with_that_token(agents, tmp_path):
     steps_dir = tmp_path / "steps"
     steps_dir.mkdir()

@@ -145,9 +145,10 @@ def test_resize_two_one_two_every_sample_once(work, procs):
     samples, epochs = 240, 2
     out = work / "out"
     out.mkdir()
+    hold = work / "hold"  # while it exists, A alone waits for the joiner: no race between B2's start and the end
     run_id = f"train-test-{uuid.uuid4().hex[:8]}"
     port = free_port()
-    args = ["--samples", str(samples), "--epochs", str(epochs), "--sleep", "0.15"]
+    args = ["--samples", str(samples), "--epochs", str(epochs), "--sleep", "0.15", "--hold-file", str(hold)]
     try:
         a = procs.start(elastic(out, port, run_id, args), work / "a.log")
         # A must host the rendezvous store (it has to outlive B): B starts once A's store listens.
@@ -163,7 +164,10 @@ def test_resize_two_one_two_every_sample_once(work, procs):
         wait_for(lambda: any(v["world_size"] == 1 and v["source"] for v in restores(out).values()), 90, "world 1")
         shrink = max(k[0] for k, v in restores(out).items() if v["world_size"] == 1)
         wait_for(lambda: max(committed_steps(out)) >= restores(out)[(shrink, 0)]["step"] + 8, 60, "progress at 1")
+        hold.touch()
         procs.start(elastic(out, port, run_id, args), work / "b2.log")
+        wait_for(lambda: any(k[0] > shrink and v["world_size"] == 2 for k, v in restores(out).items()), 90, "world 2")
+        hold.unlink()
         assert a.wait(150) == 0, (work / "a.log").read_text()[-3000:]
     finally:
         remove_snapshot_dirs(run_id)
