@@ -39,7 +39,7 @@ from elastrun.train.sharded import slots
 from elastrun.train.sharded.layout import ALIGN, Entry
 from elastrun.train.sharded.plan import ShardReport, memory_steps
 from elastrun.train.sharded.reader import BYTES, SnapshotReader, open_step
-from elastrun.train.state import _snapshot_dir
+from elastrun.train.snapdir import snapshot_dir as _snapshot_dir
 
 KIND = "dcp"
 
