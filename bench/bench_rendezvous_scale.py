@@ -53,7 +53,7 @@ client (the join, the wait, the close, the result and seat reads) and one for th
 client; ``store_ops_per_node`` is each total over n.  The counting wrapper adds a Python call per
 operation, so round times of a counted run are not the figures.
 
-    python -m bench.bench_rendezvous_scale --nodes 256 1024 4096 [--procs 8] [--token] [--repeat 3]
+    python -m bench.bench_rendezvous_scale --nodes 256 1024 4096 [--procs 16] [--token] [--repeat 3]
     python -m bench.bench_rendezvous_scale --count-ops --nodes 1024 4096
     python -m bench.bench_rendezvous_scale --auth-cost --nodes 256 1024 4096
     python -m bench.bench_rendezvous_scale --store-capacity
@@ -651,7 +651,7 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[1024])
-    parser.add_argument("--procs", type=int, default=8)
+    parser.add_argument("--procs", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--token", action="store_true")
     parser.add_argument("--beat-seconds", type=float, default=5.0)
