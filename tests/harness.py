@@ -10,10 +10,12 @@ import contextlib
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -184,9 +186,23 @@ class Cluster:
         for agent in self.agents:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 agent.proc.wait(10)
+        remove_runtime_dirs({agent.proc.pid for agent in self.agents})
 
     def outputs(self) -> str:
         return "\n".join(f"--- {a.log_path.name} ---\n{a.output()[-4000:]}" for a in self.agents)
+
+
+def remove_runtime_dirs(agent_pids: set[int]) -> None:
+    """The node-memory and temporary directories of these agents (a SIGKILLed agent cannot remove its
+    own; the next agent on the host would sweep them, but a test leaves nothing behind)."""
+    for pattern in ("/dev/shm/elastrun-*", f"{tempfile.gettempdir()}/elastrun-agent-*"):
+        for path in Path("/").glob(pattern.lstrip("/")):
+            try:
+                owner = int((path / "owner.pid").read_text())
+            except (OSError, ValueError):
+                continue
+            if owner in agent_pids and not alive([owner]):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def alive(pids: list[int] | set[int]) -> list[int]:
