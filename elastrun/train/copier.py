@@ -52,7 +52,7 @@ def copy_chunk(destination: int, source: int, nbytes: int) -> None:
     ctypes.memmove(destination, source, nbytes)
 
 
-def _set_policy(tid: int, policy_name: str) -> None:
+def set_policy(tid: int, policy_name: str) -> None:
     """Set thread ``tid``'s (0: the calling one) scheduling policy where the platform allows it
     (Linux; best effort: a thread may go back from ``SCHED_IDLE`` to ``SCHED_OTHER`` unprivileged)."""
     try:
@@ -84,7 +84,7 @@ class _IdleWorker:
         self._tid = threading.get_native_id()
         while True:
             job = jobs.get()
-            _set_policy(0, "SCHED_IDLE")  # again: a wait may have raised it (see boost)
+            set_policy(0, "SCHED_IDLE")  # again: a wait may have raised it (see boost)
             job._work()
 
     def boost(self) -> None:
@@ -92,7 +92,7 @@ class _IdleWorker:
         a chunk the helper holds, and on a loaded machine an idle-priority thread can wait seconds
         for a core (a priority inversion that would stall ``commit()`` and a re-form's pause)."""
         if self._tid and self._pid == os.getpid():
-            _set_policy(self._tid, "SCHED_OTHER")
+            set_policy(self._tid, "SCHED_OTHER")
 
 
 _IDLE_WORKER = _IdleWorker()

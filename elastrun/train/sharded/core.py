@@ -43,6 +43,7 @@ from elastrun.train.sharded.layout import (
     Unsupported,
     is_dtensor,
     join,
+    lay_out,
     optimizer_positional,
     optimizer_tree,
     param_names,
@@ -120,14 +121,12 @@ class ShardedState:
         """Allocate this rank's slot files in the background (``reserve.py``): a shard that is new
         or bigger would otherwise fault its pages in, one by one, inside its first commits."""
         mem = self.slots()
-        reserve.reserve([mem.dir / f"{mem.name(s)}.data" for s in range(SLOTS)], nbytes)
+        reserve.reserve([mem._data_path(s) for s in range(SLOTS)], nbytes)
 
     def _shard_bytes(self) -> int:
-        """About what this rank's snapshot will take: its chunks of the model and optimizer state
-        (each entry padded as ``layout.lay_out`` does)."""
+        """The size of this rank's next snapshot file (its chunks of the model and optimizer state)."""
         _, tensors = split(self.tree())
-        local = (t.to_local() if is_dtensor(t) else t for t in tensors.values())
-        return sum(-(-t.numel() * t.element_size() // 64) * 64 for t in local)
+        return lay_out(tensors)[2]
 
     def close(self) -> None:
         """Unmap this rank's slots (``State.close()``, or a model replaced by ``State.attach()``)."""

@@ -14,7 +14,7 @@ so what readers see, do not change; the pages are there when the copy extends th
 writes into it).  Existing data is never touched: ``fallocate`` only fills holes.  Where the
 directory's file system cannot do it (not tmpfs, not Linux), nothing happens.  Usage::
 
-    reserve(directory, [slots.data_path(s) for s in range(SLOTS)], nbytes)
+    reserve([slots._data_path(s) for s in range(SLOTS)], nbytes)
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+
+from elastrun.train.copier import set_policy
 
 #: ``fallocate(2)``'s flag that allocates without changing the file's size.
 FALLOC_FL_KEEP_SIZE = 0x01
@@ -81,10 +83,7 @@ def reserve(paths: Sequence[Path], nbytes: int) -> threading.Thread | None:
         return None
 
     def run() -> None:
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
-        except (AttributeError, OSError):
-            pass
+        set_policy(0, "SCHED_IDLE")
         reserve_now(todo, nbytes)
 
     thread = threading.Thread(target=run, name="elastrun-reserve-slots", daemon=True)
