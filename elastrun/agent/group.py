@@ -102,12 +102,14 @@ class WorkerGroup:
         self.statuses: dict[int, ExitStatus] = {}
         #: Exit codes reported by the scripts of the current workers that have returned (by local rank).
         self._exit_reports: dict[int, tuple[int, float]] = {}
+        #: When each running worker was last seen alive (Unix time, by local rank): a death's earliest moment.
+        self._alive_at: dict[int, float] = {}
 
     # ------------------------------------------------------------------ start
     def start(self, result: RoundResult, launches: list[WorkerLaunch]) -> None:
         """Start the round's workers, handing kept (paused) workers their new launch instead."""
         kept = self.session.take_kept()
-        self.workers, self.trackers, self.statuses, self._exit_reports = [], {}, {}, {}
+        self.workers, self.trackers, self.statuses, self._exit_reports, self._alive_at = [], {}, {}, {}, {}
         self._silent_since = None
         for launch in launches:
             local_rank = launch.local_rank
@@ -160,13 +162,16 @@ class WorkerGroup:
             self.report.reform(result.round, time.monotonic() - done.detected_at, done.paused_in, sorted(done.kept),
                                sorted(done.restarted), done.sources, done.step)
         for handle in [h for h in self.workers if h.launch.local_rank not in self.statuses]:
+            polled = time.time()
             status = handle.poll()
             if status is None:
                 status = self._teardown_overdue(handle)
-            if status is not None:
+            if status is None:
+                self._alive_at[handle.launch.local_rank] = polled
+            else:
                 status = self._judge_exit(result, handle, status)
                 self.statuses[handle.launch.local_rank] = status
-                self.report.worker_exit(result, handle, status)
+                self.report.worker_exit(result, handle, status, self._alive_at.get(handle.launch.local_rank))
         failed = [(h, self.statuses[h.launch.local_rank]) for h in self.workers
                   if h.launch.local_rank in self.statuses and not self.statuses[h.launch.local_rank].succeeded]
         if failed:

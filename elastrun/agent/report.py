@@ -156,10 +156,13 @@ class AgentReport:
                          rank=handle.launch.rank, local_rank=handle.launch.local_rank, pid=handle.pid,
                          first_heartbeat=round(first_beat, 4), since_start=round(first_beat - started, 4))
 
-    def worker_exit(self, result: RoundResult, handle: WorkerHandle, status: ExitStatus) -> None:
+    def worker_exit(self, result: RoundResult, handle: WorkerHandle, status: ExitStatus,
+                    alive_at: float | None = None) -> None:
+        """A worker's process ended; ``alive_at``: when this agent last saw it running (the death came later,
+        so goodput can tell the agent's own lateness, e.g. on a loaded host, from the work the fault cut short)."""
         self.events.emit("worker_exit", round=result.round, generation=result.generation, rank=handle.launch.rank,
                          local_rank=handle.launch.local_rank, pid=handle.pid, exitcode=status.exitcode,
-                         signal=status.signal_name)
+                         signal=status.signal_name, alive_at=None if alive_at is None else round(alive_at, 4))
 
     def teardown_fault(self, result: RoundResult, handle: WorkerHandle, status: ExitStatus, code: int,
                        after: float) -> None:

@@ -33,7 +33,7 @@ EVENT_KINDS: dict[str, str] = {
         "round, generation, rank, local_rank, pid, first_heartbeat (its Unix time), since_start (s from the "
         "worker's start)"
     ),
-    "worker_exit": "round, generation, rank, local_rank, pid, exitcode, signal",
+    "worker_exit": "round, generation, rank, local_rank, pid, exitcode, signal, alive_at (last seen running)",
     "worker_failure": "round, generation, rank, local_rank, exitcode, signal, message",
     "teardown_fault": "round, rank, local_rank, exitcode (the script's, kept), fault, after (s since it returned)",
     "restart": "round, reason, restarts_used, max_restarts",

@@ -225,8 +225,8 @@ def _describe(index: int, rnd: int | None, ends: list[tuple[Node, Group]], lost_
     if cause is not None and cause[1].get("event") == "worker_failure":
         n, e = cause
         how = f"killed by {e['signal']}" if e.get("signal") else f"exit code {e.get('exitcode')}"
-        return Fault(index, "worker_failure", detected, detected, f"rank {e.get('rank')} {how}", rnd, n.node,
-                     e.get("rank"))
+        return Fault(index, "worker_failure", _death_moment(n, e, logs, detected), detected,
+                     f"rank {e.get('rank')} {how}", rnd, n.node, e.get("rank"))
     if cause is not None and cause[1].get("event") == "nodes_waiting":
         n, e = cause
         return Fault(index, "join", detected, detected, f"{e.get('count', 1)} node(s) joined", rnd, n.node)
@@ -236,6 +236,24 @@ def _describe(index: int, rnd: int | None, ends: list[tuple[Node, Group]], lost_
     reason = str(first["restart"][1].get("reason", "")) if first["restart"] else ""
     return Fault(index, "restart", detected, detected, reason or "the group was re-formed", rnd,
                  ends[0][0].node)
+
+
+def _death_moment(node: Node, failure: dict[str, Any], logs: dict[tuple[str, Any], ProcessLog],
+                  detected: float) -> float:
+    """The earliest moment the failed worker's death can have come, for a crash's ``at``.
+
+    Its agent saw it running at ``alive_at`` (``worker_exit``), and it ended its last step record
+    later or earlier: it died after both.  An agent short of CPU (a loaded host) reports a death
+    late; that delay is the fault's detection, not work the fault cut short.  Without ``alive_at``
+    (logs of older agents) the detection stands in, as it did.
+    """
+    exits = [x for x in node.events if x.get("event") == "worker_exit" and float(x["ts"]) <= float(failure["ts"])
+             and x.get("round") == failure.get("round") and x.get("local_rank") == failure.get("local_rank")]
+    if not exits or exits[-1].get("alive_at") is None:
+        return detected
+    seen = float(exits[-1]["alive_at"])
+    last = _last_end(logs, node.node, detected, exits[-1].get("pid"))
+    return min(detected, max(seen, last if last is not None else seen))
 
 
 def join_wait(node: Node, nodes: dict[str, Node]) -> float | None:

@@ -97,7 +97,9 @@ def truth(procs: dict[int, Proc], injections: list[Injection], detected: dict[in
             last = max((s[3] for s in p.steps if s[3] <= inj.t), default=inj.t)
             out["redone"] += inj.t - last  # the step the fault cut short
         cause = "hang" if inj.kind == "hang" else "detection"
-        out[cause] += len(alive) * max(0.0, detected[i] - inj.t)
+        # a lost node's slots end with it (docs/observe.md): only the survivors wait for the detection
+        waiting = [p for p in alive if not (inj.kind == "node_loss" and p.pid in inj.pids)]
+        out[cause] += len(waiting) * max(0.0, detected[i] - inj.t)
         out[f"fault{i}"] = _fault_cost(procs, inj, alive, redone)
     return out
 
