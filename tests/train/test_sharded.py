@@ -173,7 +173,10 @@ def worker_history(log_dir: Path, agent: str) -> str:
     lines = []
     for path in sorted(log_dir.glob("events-*.jsonl")):
         for line in path.read_text().splitlines():
-            e = json.loads(line)
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:  # the last line of a SIGKILLed agent's log may be cut
+                continue
             if e["event"] == "worker_start":
                 lines.append(f"{agent}: round {e['round']}: rank {e['rank']} pid {e['pid']} ({e['start_method']})")
             elif e["event"] in ("reform_fallback", "reform_failed", "worker_exit"):
