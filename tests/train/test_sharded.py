@@ -478,3 +478,44 @@ def test_slot_memory_is_allocated_before_the_commits_that_fill_it(tmp_path):
     assert got["source"] == "memory", got
     assert all(n >= got["nbytes"] for n in got["after_commit"]), got  # one slot written, four allocated
     assert all(n >= got["nbytes"] for n in got["after_restore"]), got
+
+
+ATTACH = """
+import json
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+import elastrun.train as et
+from elastrun.train import reform, sharded
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+fully_shard(net)
+opt = torch.optim.AdamW(net.parameters())
+state = et.State(model=None, optimizer=None)
+link = reform._link = reform.Link()  # what et.run holds, here without an agent
+link.in_fn = True
+real = sharded.part_of
+
+def part_of(*args):  # the pause lands here: the control thread's flag, then the interrupt's handler
+    link.pause_pending = True
+    link._on_interrupt(0, None)
+    return real(*args)
+
+sharded.part_of = part_of
+try:
+    state.attach(net, opt)
+    raised = False
+except reform.Reform:
+    raised = True
+print(json.dumps({"raised": raised, "model": state._model is not None, "sharded": state._sharded is not None}))
+"""
+
+
+def test_a_pause_during_attach_leaves_the_state_whole(work):
+    """A re-form's pause that lands inside ``State.attach`` (under ``et.run``, ``fn`` attaches the model
+    it built on the new group) is raised when attach has taken the model and its sharded half, never
+    between them: a State with the model and not its sharded half took the replicated restore at the
+    next re-form while its peers took the sharded one (mismatched collectives; both workers failed)."""
+    done = subprocess.run([sys.executable, "-c", ATTACH], env=env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"raised": True, "model": True, "sharded": True}
