@@ -98,6 +98,13 @@ class _IdleWorker:
 _IDLE_WORKER = _IdleWorker()
 
 
+def boost_helper() -> None:
+    """Let the idle-priority copy helper run at normal priority until its next job (best effort, as
+    :meth:`_IdleWorker.boost`): a re-form's pause must not wait on a helper that gets no CPU while it
+    holds, or waits for, the interpreter lock that the training and control threads need."""
+    _IDLE_WORKER.boost()
+
+
 class SnapshotCopy:
     """Copies the CPU tensors of ``flat`` into ``buffer`` (a CPU ``uint8`` tensor) at their offsets.
 

@@ -43,9 +43,10 @@ import torch.distributed as dist
 from elastrun.inworker import heartbeat, pg_guard
 from elastrun.inworker.control import ControlClient
 from elastrun.protocol import WAIT_ENV, Assign, Failed, Pause, Paused, Reformed, ToAgent, ToWorker
-from elastrun.train import notes
+from elastrun.train import copier, notes
 from elastrun.train.dist import DistInfo, forget_mesh_caches, init_distributed
 from elastrun.train.reformable import Reformable
+from elastrun.train.sharded import reserve
 
 if TYPE_CHECKING:
     from elastrun.train.state import State
@@ -208,6 +209,9 @@ class Link:
 
     # -- reader thread -------------------------------------------------------------------------
     def _on_message(self, message: ToWorker | None) -> None:
+        if isinstance(message, Pause):  # first: nothing below may wait on a starved idle-priority helper
+            copier.boost_helper()
+            reserve.boost()
         with self._cond:
             if message is None:
                 self.closed = True

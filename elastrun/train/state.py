@@ -418,16 +418,20 @@ class State(Restorer, Reformable):
         of the last commit into them; returns what :meth:`restore` returns.  Collective.  Under
         ``et.run`` a sharded model is built and sharded on the current group inside ``fn`` and
         handed over here on every call (docs/train.md, "Sharded states")."""
-        if self._hook is not None:
-            self._hook.remove()
-        self._model, self._optimizer = model, optimizer
-        self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) if optimizer else None
-        self._async = self._async_snapshot and optimizer is not None
-        if self._sharded is not None:
-            self._sharded.close()
-        self._sharded = sharded.part_of(self, model, optimizer)
-        if self._sharded is not None:
-            self._sharded.attached = True
+        # One section: a re-form's pause arriving in here is raised after it, never between the model
+        # and its sharded half (a State left with the one and not the other would take the replicated
+        # restore on this rank and the sharded one on the others: mismatched collectives).
+        with reform.section():
+            if self._hook is not None:
+                self._hook.remove()
+            self._model, self._optimizer = model, optimizer
+            self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) if optimizer else None
+            self._async = self._async_snapshot and optimizer is not None
+            if self._sharded is not None:
+                self._sharded.close()
+            self._sharded = sharded.part_of(self, model, optimizer)
+            if self._sharded is not None:
+                self._sharded.attached = True
         return self.restore()
 
     def load_dcp(self, checkpoint_id: str | os.PathLike) -> None:

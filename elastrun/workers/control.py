@@ -202,10 +202,14 @@ class ControlServer(ControlChannel):
     def wait_for(self, pids: list[int], kinds: tuple[type[ToAgent], ...], timeout: float) -> dict[int, ToAgent]:
         """Wait (bounded) until each worker sent one message of one of ``kinds`` or disconnected.
 
-        Returns the message by PID for those that answered; the others are missing.
+        Returns the message by PID for those that answered; the others are missing.  What is in
+        the sockets when the time is up is read before giving up: on a busy host the agent itself
+        may not run for a while, and an answer that came in time counts even if it was not read
+        in time.
         """
         deadline = time.monotonic() + timeout
         answers: dict[int, ToAgent] = {}
+        last_look = False
         while True:
             for pid in pids:
                 if pid in answers:
@@ -216,10 +220,22 @@ class ControlServer(ControlChannel):
                         answers[pid] = message
                         break
             waiting = [p for p in pids if p not in answers and self.connected(p)]
-            left = deadline - time.monotonic()
-            if not waiting or left <= 0:
+            if not waiting or last_look:
                 return answers
-            self.pump(min(left, 0.05))
+            left = deadline - time.monotonic()
+            if left > 0:
+                self.pump(min(left, 0.05))
+            else:
+                last_look = True
+                self._drain()
+
+    def _drain(self) -> None:
+        """Read everything the connections hold now, without waiting (bounded: the senders may go on)."""
+        for _ in range(64):
+            ready, _, _ = select.select(self.filenos(), [], [], 0.0)
+            if not ready:
+                return
+            self.pump(0.0)
 
     def forget(self, pid: int) -> None:
         """Close the connection of a worker that is being killed."""

@@ -161,8 +161,28 @@ def test_fsdp_resize_lose_and_join_a_node(work, procs, nodes, reform):
 
 
 def log_tails(work: Path) -> str:
-    """The end of every agent's log of a test, for its failure message."""
-    return "\n".join(p.read_text()[-1500:] for p in sorted(work.glob("*.log")))
+    """The end of every agent's log of a test, for its failure message, after what each agent's event
+    log (``work/logs/<agent>``, where the test gave ``--log-dir``) says of its workers."""
+    histories = [worker_history(d, d.name) for d in sorted((work / "logs").glob("*")) if d.is_dir()]
+    return "\n".join([*histories, *(p.read_text()[-1500:] for p in sorted(work.glob("*.log")))])
+
+
+def worker_history(log_dir: Path, agent: str) -> str:
+    """How one agent's workers went through the rounds, from its event log (``--log-dir``): each round's
+    worker PIDs and how each began (``kept``: the same process, re-formed), and every fallback's cause."""
+    lines = []
+    for path in sorted(log_dir.glob("events-*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:  # the last line of a SIGKILLed agent's log may be cut
+                continue
+            if e["event"] == "worker_start":
+                lines.append(f"{agent}: round {e['round']}: rank {e['rank']} pid {e['pid']} ({e['start_method']})")
+            elif e["event"] in ("reform_fallback", "reform_failed", "worker_exit"):
+                fields = {k: v for k, v in e.items() if k not in ("ts", "node", "event")}
+                lines.append(f"{agent}: {e['event']} {fields}")
+    return "\n".join(lines) or f"{agent}: no events in {log_dir}"
 
 
 def lose_and_join(work: Path, procs, nodes: int, extra: list[str], node_env: list[dict] | None = None) -> None:
@@ -179,7 +199,7 @@ def lose_and_join(work: Path, procs, nodes: int, extra: list[str], node_env: lis
     reform = "--reform" in extra
 
     def agent(name: str, node: int):
-        cmd = elastic_cmd(out, port, run_id, args)
+        cmd = elastic_cmd(out, port, run_id, args, flags=(f"--log-dir={work / 'logs' / name}",))
         cmd[cmd.index("--nnodes=1:2")] = f"--nnodes=1:{nodes}"
         return procs.start(cmd, work / f"{name}.log", (node_env or [{}] * nodes)[node])
 
@@ -229,8 +249,9 @@ def lose_and_join(work: Path, procs, nodes: int, extra: list[str], node_env: lis
     assert grown[nodes - 1]["source"] == "peer", (got, logs)  # the joiner has nothing in its node's memory
     assert {v["source"] for v in grown.values()} <= {"memory", "peer"}, (got, logs)
     assert {v["sha256"] for v in grown.values()} <= committed[grown[0]["step"]], "grow restored another state"
-    if reform:  # node A's worker is one process from the first round to the end
-        assert got[(full, 0)]["pid"] == small[0]["pid"] == grown[0]["pid"], (got, logs)
+    if reform:  # node A's worker is one process from the first round of N nodes to the end
+        a_pids = {k: v["pid"] for k, v in sorted(got.items()) if v["agent"] == a.pid and k[0] >= full}
+        assert len(set(a_pids.values())) == 1, f"node A's worker was restarted: PIDs {a_pids}\n{logs}"
     assert_exactly_once(out, samples, epochs)
 
 
@@ -457,3 +478,44 @@ def test_slot_memory_is_allocated_before_the_commits_that_fill_it(tmp_path):
     assert got["source"] == "memory", got
     assert all(n >= got["nbytes"] for n in got["after_commit"]), got  # one slot written, four allocated
     assert all(n >= got["nbytes"] for n in got["after_restore"]), got
+
+
+ATTACH = """
+import json
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+import elastrun.train as et
+from elastrun.train import reform, sharded
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+fully_shard(net)
+opt = torch.optim.AdamW(net.parameters())
+state = et.State(model=None, optimizer=None)
+link = reform._link = reform.Link()  # what et.run holds, here without an agent
+link.in_fn = True
+real = sharded.part_of
+
+def part_of(*args):  # the pause lands here: the control thread's flag, then the interrupt's handler
+    link.pause_pending = True
+    link._on_interrupt(0, None)
+    return real(*args)
+
+sharded.part_of = part_of
+try:
+    state.attach(net, opt)
+    raised = False
+except reform.Reform:
+    raised = True
+print(json.dumps({"raised": raised, "model": state._model is not None, "sharded": state._sharded is not None}))
+"""
+
+
+def test_a_pause_during_attach_leaves_the_state_whole(work):
+    """A re-form's pause that lands inside ``State.attach`` (under ``et.run``, ``fn`` attaches the model
+    it built on the new group) is raised when attach has taken the model and its sharded half, never
+    between them: a State with the model and not its sharded half took the replicated restore at the
+    next re-form while its peers took the sharded one (mismatched collectives; both workers failed)."""
+    done = subprocess.run([sys.executable, "-c", ATTACH], env=env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"raised": True, "model": True, "sharded": True}

@@ -6,7 +6,8 @@ writes what the tests check into ``--out``:
 * ``batches.r<rank>.jsonl``: one line per step *before* its commit (attempt, step, epoch, indices).
   The latest attempt that logged a step is the one whose commit counted (an uncommitted step is
   re-executed, and logged again, by the next attempt).
-* ``restore.r<rank>.a<attempt>.json``: what ``restore()`` returned (``State.last_restore``), and the PID.
+* ``restore.r<rank>.a<attempt>.json``: what ``restore()`` returned (``State.last_restore``), the PID and its
+  agent's PID (which node's worker it is: a node's group rank can change between rounds).
 * ``final.json`` (rank 0): final step and a SHA-256 of the parameters.
 
 Faults are injected from ``--crash ATTEMPT:RANK:STEP:WHERE`` (repeatable): in attempt ATTEMPT
@@ -15,7 +16,8 @@ Faults are injected from ``--crash ATTEMPT:RANK:STEP:WHERE`` (repeatable): in at
 (in the middle of the memory-snapshot copy, between two of its chunks).
 
 ``--fsdp`` shards the model with FSDP2 (``fully_shard``, AdamW) instead; rank 0 then also writes
-``digest.jsonl`` (attempt, step, world size, SHA-256 of the full parameters after each commit) and
+``digest.jsonl`` (attempt, step, world size, SHA-256 of the full parameters of each committed step: taken
+just before the commit, written with it) and
 the restore records carry the digest of what was restored.  ``--truncate ATTEMPT:RANK:STEP``
 truncates that rank's newest shard snapshot file just before a crash injected at the same step.
 """
@@ -35,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import elastrun.train as et
 import elastrun.train.copier as et_copier
+from elastrun.train import reform
 
 
 def kill_self() -> None:
@@ -196,7 +199,8 @@ def train(a, out: Path, net, model, opt, sampler, loader, state) -> bool | None:
     if model is None:
         model = DDP(net) if a.ddp else net
     restored = {"source": state.last_restore, "step": state.step, "world_size": world,
-                "epoch": sampler.epoch, "pid": os.getpid(), "from": state.restored_from,
+                "epoch": sampler.epoch, "pid": os.getpid(), "agent": int(os.environ.get("ELASTRUN_AGENT_PID", "0")),
+                "from": state.restored_from,
                 "transfer": state.last_transfer}  # fmt: skip
     if a.fsdp:
         restored["sha256"] = digest(net)
@@ -248,8 +252,16 @@ def train(a, out: Path, net, model, opt, sampler, loader, state) -> bool | None:
                 if crashes.get(step) == "before":
                     kill_self()
                 state.losses = [*state.losses[-4:], round(loss.item(), 6)]
+                # The digest is collective: taken before the commit, so that a peer lost in between cannot
+                # leave a committed step without its line; the line goes with the commit (one re-form section).
+                sha = digest(net) if a.fsdp else None
                 try:
-                    state.commit()
+                    with reform.section():
+                        state.commit()
+                        if sha is not None and rank == 0:
+                            line = json.dumps({"attempt": attempt, "step": step, "world": world, "sha256": sha})
+                            with open(out / "digest.jsonl", "a") as f:
+                                f.write(line + "\n")
                 except SystemExit:
                     (out / f"preempted.r{rank}.json").write_text(json.dumps({"step": state.step}))
                     raise
@@ -260,11 +272,6 @@ def train(a, out: Path, net, model, opt, sampler, loader, state) -> bool | None:
                     torch.distributed.barrier()
                 if a.fsdp:
                     record_copies(out, rank)
-                    sha = digest(net)
-                    if rank == 0:
-                        line = json.dumps({"attempt": attempt, "step": step, "world": world, "sha256": sha})
-                        with open(out / "digest.jsonl", "a") as f:
-                            f.write(line + "\n")
                 if crashes.get(step) == "after":
                     if a.truncate == f"{attempt}:{rank}:{step}":
                         state.flush()

@@ -154,3 +154,18 @@ def test_worker_leaves_the_channel_when_its_agent_sends_a_malformed_message(tmp_
         client.close()
         conn.close()
         listener.close()
+
+
+def test_an_answer_that_came_in_time_counts_even_if_the_agent_reads_it_late(server):
+    """The agent's wait for a pause's answers ends with a look at what its sockets hold: an agent
+    that did not run for the whole bound (a busy host) still keeps the worker that answered."""
+    client = ControlClient(str(server.path), lambda message: None)
+    try:
+        client.hello(local_rank=0)
+        pid = os.getpid()
+        assert _until(lambda: server.connected(pid), pump=lambda: server.pump(0.01))
+        client.send(Paused(live=3, pid=pid))  # in the socket, not read yet: the bound is already spent
+        assert server.wait_for([pid], (Paused, Failed), 0.0) == {pid: Paused(live=3, pid=pid)}
+        assert server.wait_for([pid], (Paused, Failed), 0.0) == {}  # and nothing is made up
+    finally:
+        client.close()

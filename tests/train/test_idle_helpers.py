@@ -1,0 +1,56 @@
+"""A re-form's pause and the worker's idle-priority helper threads (the snapshot copier's, the slot
+reserver's): the pause puts them back at normal priority, so that on a busy host the training and
+control threads never wait for the interpreter lock on a thread that gets no CPU."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from elastrun.protocol import Pause
+from elastrun.train import copier
+from elastrun.train.reform import Link
+from elastrun.train.sharded import reserve
+
+
+def _policy_becomes(tid: int, policy: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.sched_getscheduler(tid) == policy:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+class _BlockedJob:
+    """Stands in for a snapshot copy: the helper thread runs it until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.running, self.release = threading.Event(), threading.Event()
+
+    def _work(self) -> None:
+        self.running.set()
+        self.release.wait(10)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_a_pause_puts_the_idle_priority_helpers_back_at_normal_priority(tmp_path, monkeypatch):
+    reserving = _BlockedJob()
+    monkeypatch.setattr(reserve, "reserve_now", lambda paths, nbytes: reserving._work())
+    reserve.reserve([tmp_path / "slot"], 1 << 20)
+    copying = _BlockedJob()
+    copier._IDLE_WORKER.give(copying)  # the process's one helper thread, as a copy starts it
+    try:
+        assert reserving.running.wait(10) and copying.running.wait(10)
+        tids = [*reserve._RUNNING, copier._IDLE_WORKER._tid]
+        assert len(tids) == 2 and all(_policy_becomes(t, os.SCHED_IDLE) for t in tids)
+        Link()._on_message(Pause())  # what the control thread does when the agent's pause arrives
+        if os.geteuid() != 0 and os.sched_getscheduler(tids[0]) == os.SCHED_IDLE:
+            pytest.skip("an unprivileged thread cannot leave SCHED_IDLE here (RLIMIT_NICE)")
+        assert [os.sched_getscheduler(t) for t in tids] == [os.SCHED_OTHER] * 2
+    finally:
+        reserving.release.set()
+        copying.release.set()
