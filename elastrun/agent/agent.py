@@ -297,7 +297,8 @@ class LocalAgent:
         detected = time.monotonic()
         reason = describe_change(change)
         self.report.restart(result, reason, change.nodes_waiting)
-        self.group.end(set(), detected)
+        # dump=True: a worker that does not answer the pause leaves its stacks in its log before it is killed
+        self.group.end(set(), detected, dump=True)
         return GroupEnd(Outcome.MEMBERSHIP, reason=reason, detected_at=detected)
 
     def _report_failure(self, failure: FailureRecord) -> None:

@@ -214,9 +214,11 @@ class AgentReport:
         self.console.warn(f"rank {rank} could not re-form: {error[-300:]}")
 
     def reform_fallback(self, handle: WorkerHandle, cause: str) -> None:
-        """A worker that opted in to re-forms is restarted instead (the event only: the console has said why)."""
+        """A worker that opted in to re-forms is restarted instead of kept: said once, with why."""
         self.events.emit("reform_fallback", rank=handle.launch.rank, local_rank=handle.launch.local_rank,
                          pid=handle.pid, cause=cause)
+        self.console.warn(f"rank {handle.launch.rank} (pid {handle.pid}) is restarted instead of re-formed in its "
+                          f"process: {cause}")
 
     def reform(self, round_: int, took: float, paused_in: float, kept: list[int], restarted: list[int],
                sources: list[str], step: int) -> None:
