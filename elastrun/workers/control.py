@@ -111,7 +111,9 @@ class ControlServer(ControlChannel):
 
     def pump(self, timeout: float = 0.0) -> None:
         """Accept new connections and read what arrived, waiting at most ``timeout`` for something."""
-        ready, _, _ = select.select(self.filenos(), [], [], timeout)
+        self._take_in(select.select(self.filenos(), [], [], timeout)[0])
+
+    def _take_in(self, ready: list[int]) -> None:
         for fd in ready:
             if fd == self._listener.fileno():
                 self._accept()
@@ -235,7 +237,7 @@ class ControlServer(ControlChannel):
             ready, _, _ = select.select(self.filenos(), [], [], 0.0)
             if not ready:
                 return
-            self.pump(0.0)
+            self._take_in(ready)
 
     def forget(self, pid: int) -> None:
         """Close the connection of a worker that is being killed."""
