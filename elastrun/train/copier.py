@@ -28,6 +28,8 @@ import ctypes
 import os
 import queue
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -98,11 +100,30 @@ class _IdleWorker:
 _IDLE_WORKER = _IdleWorker()
 
 
-def boost_helper() -> None:
-    """Let the idle-priority copy helper run at normal priority until its next job (best effort, as
-    :meth:`_IdleWorker.boost`): a re-form's pause must not wait on a helper that gets no CPU while it
-    holds, or waits for, the interpreter lock that the training and control threads need."""
+#: Kernel thread ids of other threads running at idle priority for this process (see :func:`at_idle_priority`).
+_IDLE_THREADS: set[int] = set()
+
+
+@contextmanager
+def at_idle_priority() -> Iterator[None]:
+    """Run the calling thread's block at ``SCHED_IDLE``, known to :func:`boost_idle_threads` meanwhile."""
+    tid = threading.get_native_id()
+    _IDLE_THREADS.add(tid)
+    try:
+        set_policy(0, "SCHED_IDLE")
+        yield
+    finally:
+        _IDLE_THREADS.discard(tid)
+
+
+def boost_idle_threads() -> None:
+    """Put this process's idle-priority threads at normal priority (the copy helper until its next job;
+    best effort: an unprivileged thread may not leave ``SCHED_IDLE``): a re-form's pause must not
+    wait on a thread that gets no CPU while it holds, or waits for, the interpreter lock that the
+    training and control threads need."""
     _IDLE_WORKER.boost()
+    for tid in list(_IDLE_THREADS):
+        set_policy(tid, "SCHED_OTHER")
 
 
 class SnapshotCopy:

@@ -46,7 +46,6 @@ from elastrun.protocol import WAIT_ENV, Assign, Failed, Pause, Paused, Reformed,
 from elastrun.train import copier, notes
 from elastrun.train.dist import DistInfo, forget_mesh_caches, init_distributed
 from elastrun.train.reformable import Reformable
-from elastrun.train.sharded import reserve
 
 if TYPE_CHECKING:
     from elastrun.train.state import State
@@ -210,8 +209,7 @@ class Link:
     # -- reader thread -------------------------------------------------------------------------
     def _on_message(self, message: ToWorker | None) -> None:
         if isinstance(message, Pause):  # first: nothing below may wait on a starved idle-priority helper
-            copier.boost_helper()
-            reserve.boost()
+            copier.boost_idle_threads()
         with self._cond:
             if message is None:
                 self.closed = True

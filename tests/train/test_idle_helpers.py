@@ -45,7 +45,7 @@ def test_a_pause_puts_the_idle_priority_helpers_back_at_normal_priority(tmp_path
     copier._IDLE_WORKER.give(copying)  # the process's one helper thread, as a copy starts it
     try:
         assert reserving.running.wait(10) and copying.running.wait(10)
-        tids = [*reserve._RUNNING, copier._IDLE_WORKER._tid]
+        tids = [*copier._IDLE_THREADS, copier._IDLE_WORKER._tid]
         assert len(tids) == 2 and all(_policy_becomes(t, os.SCHED_IDLE) for t in tids)
         Link()._on_message(Pause())  # what the control thread does when the agent's pause arrives
         if os.geteuid() != 0 and os.sched_getscheduler(tids[0]) == os.SCHED_IDLE:

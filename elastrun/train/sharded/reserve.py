@@ -26,12 +26,10 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastrun.train.copier import set_policy
+from elastrun.train.copier import at_idle_priority
 
 #: ``fallocate(2)``'s flag that allocates without changing the file's size.
 FALLOC_FL_KEEP_SIZE = 0x01
-#: Kernel thread ids of the reserving threads still running (at idle priority unless boosted).
-_RUNNING: set[int] = set()
 
 _libc: ctypes.CDLL | None = None
 
@@ -85,22 +83,10 @@ def reserve(paths: Sequence[Path], nbytes: int) -> threading.Thread | None:
         return None
 
     def run() -> None:
-        tid = threading.get_native_id()
-        _RUNNING.add(tid)
-        try:
-            set_policy(0, "SCHED_IDLE")
+        with at_idle_priority():
             reserve_now(todo, nbytes)
-        finally:
-            _RUNNING.discard(tid)
 
     thread = threading.Thread(target=run, name="elastrun-reserve-slots", daemon=True)
     thread.start()
     return thread
 
-
-def boost() -> None:
-    """Put the reserving threads still running back at normal priority (best effort: an unprivileged
-    thread may not leave ``SCHED_IDLE``): a re-form's pause must not wait on one that gets no CPU
-    while it holds, or waits for, the interpreter lock."""
-    for tid in list(_RUNNING):
-        set_policy(tid, "SCHED_OTHER")
