@@ -13,6 +13,7 @@ certificate signed by the given CA; health is then read from a plain-HTTP metric
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -71,6 +72,12 @@ class EtcdTLS:
         return context
 
 
+def _die_with_parent() -> None:
+    """In the member's child process: SIGKILL it when the test process dies, even by SIGKILL or a
+    timeout (its own session keeps it out of the test's process group, so nothing else would)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class EtcdCluster:
     """``size`` etcd members on ``host``; ``wrap`` prefixes each command (e.g. ``ip netns exec NS``)."""
 
@@ -121,7 +128,8 @@ class EtcdCluster:
 
     def restart(self, i: int, wait: bool = True) -> None:
         log = open(self.dir / f"{self.names[i]}.log", "ab")  # noqa: SIM115 - kept by the process
-        self.procs[i] = subprocess.Popen(self._command(i), stdout=log, stderr=log, start_new_session=True)
+        self.procs[i] = subprocess.Popen(self._command(i), stdout=log, stderr=log, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
         log.close()
         if wait:
             self.wait_healthy([i])
