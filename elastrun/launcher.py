@@ -121,11 +121,13 @@ def run(config: LaunchConfig) -> int:
     # the etcd lease and heartbeat threads: peers took the closer for dead and formed a round without it.
     import torch.distributed  # noqa: F401
 
+    from elastrun import stackdump
     from elastrun.agent.agent import LocalAgent
 
     agent = LocalAgent(config, handler, starter, base_env=base_env)
 
     handler.on_warning = agent.report.rendezvous_warning
+    stackdump.install()  # the agent's own stacks on request, as its workers' (a harness keeping evidence)
     return agent.run()
 
 

@@ -33,6 +33,7 @@ import signal
 import sys
 import traceback
 
+from elastrun import stackdump
 from elastrun.inworker import pg_guard
 from elastrun.inworker.errorfile import write_error_file
 from elastrun.inworker.heartbeat import report_exit
@@ -57,6 +58,7 @@ def exec_main() -> None:
 def run_target(target: str, module: bool, error_file: str | None) -> None:
     """Run ``target`` as ``__main__``, then leave as described in the module docstring.  Never returns."""
     pg_guard.install()
+    stackdump.install()  # every thread's stack to stderr on request, the worker living on
     interrupted: KeyboardInterrupt | None = None
     try:
         code = _run(target, module, error_file)

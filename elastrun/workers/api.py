@@ -22,6 +22,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastrun import stackdump
 from elastrun.workers.logs import tail_text
 
 
@@ -123,6 +124,11 @@ class WorkerHandle(abc.ABC):
         except (OSError, IndexError):
             return False
         return state in (b"T", b"t", b"D")
+
+    def dump_stacks(self) -> bool:
+        """Ask the worker for every thread's Python stack, written to its stderr, without ending it
+        (:mod:`elastrun.stackdump`); False when it cannot be asked (no handler yet, not Python, gone)."""
+        return stackdump.request(self.pid)
 
     def set_console_prefix(self, prefix: str) -> None:
         """Prefix the worker's later console lines with ``prefix`` (a worker kept across a re-form

@@ -30,6 +30,8 @@ class StandInHandle(WorkerHandle):
         self.closed = False
         #: What :meth:`frozen` answers (a test sets it: the worker is "stopped").
         self.is_frozen = False
+        #: How many times its stacks were asked for (:meth:`dump_stacks`).
+        self.dumps = 0
 
     def exit(self, code: int | None = 0, sig: int | None = None) -> None:
         if self._status is None:
@@ -52,6 +54,10 @@ class StandInHandle(WorkerHandle):
 
     def frozen(self) -> bool:
         return self.is_frozen
+
+    def dump_stacks(self) -> bool:
+        self.dumps += 1
+        return self._status is None
 
     def set_console_prefix(self, prefix: str) -> None:
         self.prefix = prefix
