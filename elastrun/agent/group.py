@@ -34,7 +34,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from elastrun.agent.hang import HangTracker
+from elastrun.agent import stall
+from elastrun.agent.hang import HangTracker, StartupHistory
 from elastrun.agent.launches import link_kept_logs
 from elastrun.agent.reform import ReformSession
 from elastrun.agent.report import AgentReport
@@ -104,18 +105,25 @@ class WorkerGroup:
         self._exit_reports: dict[int, tuple[int, float]] = {}
         #: When each running worker was last seen alive (Unix time, by local rank): a death's earliest moment.
         self._alive_at: dict[int, float] = {}
+        #: What this node learnt of its workers' starts, across rounds: the start-up bound (see hang.py).
+        self.history = StartupHistory(config.startup_timeout, config.hang_timeout)
+        #: How each worker entered the round (``"kept"`` or its start method), and the kept ones' re-forms.
+        self._entered: dict[int, str] = {}
+        self._reformed: dict[int, tuple[str | None, int]] = {}
 
     # ------------------------------------------------------------------ start
     def start(self, result: RoundResult, launches: list[WorkerLaunch]) -> None:
         """Start the round's workers, handing kept (paused) workers their new launch instead."""
         kept = self.session.take_kept()
         self.workers, self.trackers, self.statuses, self._exit_reports, self._alive_at = [], {}, {}, {}, {}
+        self._entered, self._reformed = {}, {}
         self._silent_since = None
         for launch in launches:
             local_rank = launch.local_rank
             hb_path = launch.env[HEARTBEAT_ENV]
             clear_reports(hb_path)
-            self.trackers[local_rank] = HangTracker(hb_path, self.config.hang_timeout, self.config.startup_timeout)
+            self.trackers[local_rank] = HangTracker(hb_path, self.config.hang_timeout, self.history.bound(),
+                                                    self.history.describe(), expects_beats=self.history.heartbeats)
             handle = kept.pop(local_rank, None)
             if handle is not None and not self._reassign(handle, launch, result):
                 self.report.reform_fallback(handle, "gone before its new assignment")
@@ -126,6 +134,7 @@ class WorkerGroup:
                 handle = self.starter.start(launch)
                 method = handle.start_method or self.starter.name
                 self.session.restarted(local_rank)
+            self._entered[local_rank] = method
             self.workers.append(handle)
             self.report.worker_start(result, launch, handle.pid, method)
         for handle in kept.values():  # local ranks the new round does not have
@@ -157,8 +166,11 @@ class WorkerGroup:
         for handle, failed in news.failed:
             self.report.reform_failed(handle.launch.rank, failed.error)
             self.report.reform_fallback(handle, f"could not join the new group: {failed.error[-200:]}")
+        if self.session.pending is not None:
+            self._reformed.update({lr: (r.source, r.step) for lr, r in self.session.pending.reformed.items()})
         if news.done is not None:
             done = news.done
+            self._reformed.update({lr: (r.source, r.step) for lr, r in done.reformed.items()})
             self.report.reform(result.round, time.monotonic() - done.detected_at, done.paused_in, sorted(done.kept),
                                sorted(done.restarted), done.sources, done.step)
         for handle in [h for h in self.workers if h.launch.local_rank not in self.statuses]:
@@ -234,6 +246,7 @@ class WorkerGroup:
             reason = tracker.check(now)
             first_beat = tracker.take_first_beat()
             if first_beat is not None:
+                self.history.stepped(max(0.0, first_beat - tracker.started))
                 self.report.worker_stepping(result, handle, first_beat, tracker.started)
             if reason is not None:
                 out.append((handle, reason))
@@ -250,14 +263,39 @@ class WorkerGroup:
             self._silent_since = now if self._silent_since is None else self._silent_since
             if now - self._silent_since < max(HANG_GRACE, 3 * self.config.monitor_interval):
                 return None
+        if self.trackers[handle.launch.local_rank].stalled_at_startup:
+            self.history.stalled()
         try:
             first = self.claim_hang(self._hang_record(handle, reason))
         except RendezvousError as exc:  # unanswered: this node reports its own hang, as every node did before claims
             self.report.detail(f"could not claim the hang in the rendezvous: {exc}")
             first = None
+        # Before anything is paused or killed: what every local worker was doing, and its stacks (the
+        # culprit of this node's own hang leaves them through SIGABRT as it is killed).
+        dumped = [h for h in self.workers if h.poll() is None and (first is not None or h is not handle)
+                  and h.dump_stacks()]
+        self.report.stall(result, reason, self._states(result, dict(silent)), [h.launch.rank for h in dumped])
         if first is not None:
             return self._end_behind(result, handle, reason, first)
         return self._end_for_hang(result, handle, reason)
+
+    def _states(self, result: RoundResult, silent: dict[WorkerHandle, str]) -> list[stall.WorkerState]:
+        """Every running local worker's state, for the report of a hang or a stall."""
+        now = time.time()
+        out = []
+        for handle in self.workers:
+            local_rank = handle.launch.local_rank
+            if local_rank in self.statuses:
+                continue
+            tracker = self.trackers[local_rank]
+            out.append(stall.WorkerState(
+                rank=handle.launch.rank, local_rank=local_rank, pid=handle.pid,
+                entered=self._entered.get(local_rank, "?"), since_start=now - tracker.started, beats=tracker.beats,
+                last_beat_ago=None if tracker.last_beat is None else now - tracker.last_beat,
+                reformed=self._reformed.get(local_rank),
+                record=stall.last_record(handle.launch.env, handle.launch.error_file, handle.pid, now, result.round),
+                silent=silent.get(handle)))  # fmt: skip
+        return out
 
     def _hang_record(self, handle: WorkerHandle, reason: str) -> FailureRecord:
         """The claim of a hang (the failure record itself comes once the worker is dead)."""

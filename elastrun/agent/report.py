@@ -205,6 +205,18 @@ class AgentReport:
         self.events.emit("restart", round=result.round, reason=why, restarts_used=result.restarts_used,
                          max_restarts=result.max_restarts)
 
+    def stall(self, result: RoundResult, reason: str, states: list[Any], dumped: list[int]) -> None:
+        """A hang or a stall was judged: what every local worker was doing (``states``, each an
+        :class:`elastrun.agent.stall.WorkerState`), before anything is paused or killed; ``dumped``:
+        the ranks asked for their stacks (written to their stderr)."""
+        self.events.emit("stall", round=result.round, generation=result.generation, reason=reason,
+                         workers=[w.as_event() for w in states], stacks=dumped)
+        self.console.warn(f"round {result.round}: {reason}; the local workers, before anything is stopped:")
+        for w in states:
+            self.console.warn(f"  {w.line()}")
+        if dumped:
+            self.console.warn(f"  Python stacks of rank(s) {_ranks(dumped)} written to their stderr")
+
     # -- in-process re-forms ---------------------------------------------------------------------
     def workers_paused(self, ranks: list[int], took: float) -> None:
         self.console.info(f"rank(s) {_ranks(ranks)} left their group in {took:.2f} s "

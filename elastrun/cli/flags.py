@@ -145,7 +145,9 @@ FLAGS: tuple[Flag, ...] = (
              "stays silent this long is dumped and restarted (default: learned, 10 x its slowest step, "
              "at least 30 s)."),
         Flag(("--startup-timeout",), "startup_timeout", "SECONDS", None,
-             "Fail a worker that has not sent its first heartbeat within this long (default: off)."),
+             "A worker that has not sent its first heartbeat this long after its start (or its re-form) is "
+             "dumped and restarted (default: learned once a worker of the node has sent one: 5 x the slowest "
+             "start to a first heartbeat, at least 30 s or --hang-timeout; off for scripts that never send one)."),
         Flag(("--crash-loop-limit",), "crash_loop_limit", "N", "3",
              "Stop the job, with exit code 3 (do not requeue), after N failed attempts in a row in which "
              "no worker made progress; 0 turns the check off."),

@@ -41,6 +41,10 @@ EVENT_KINDS: dict[str, str] = {
     "nodes_waiting": "round, count",
     "scale_change": "old_world_size, new_world_size",
     "hang_detected": "round, rank, local_rank, reason",
+    "stall": (
+        "round, generation, reason, workers (each local worker: rank, pid, entered, since_start, beats, "
+        "last_beat_ago, reformed, record, doing, silent), stacks (ranks asked for their stacks)"
+    ),
     "recovered": "round, reason, duration (s from the fault to all workers started)",
     "reform": (
         "round, duration (s from the change to every kept worker re-formed), paused_in, kept, restarted (local "

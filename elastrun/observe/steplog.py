@@ -227,6 +227,39 @@ def read(path: Path) -> ProcessLog | None:
                       records, path)
 
 
+def last(path: Path) -> Record | None:
+    """The newest record of one file, read without decoding the others (None: none, or no step log).
+
+    Records are written in order and the file is grown with zeros, so the filled ones are a prefix:
+    a binary search on the kind byte finds the last.  For a live worker's file (the agent's report
+    of a stalled worker).
+    """
+    try:
+        with open(path, "rb") as fh:
+            if fh.read(len(MAGIC)) != MAGIC:
+                return None
+            size = os.fstat(fh.fileno()).st_size
+            lo, hi = 0, max(0, (size - HEADER_SIZE) // RECORD.size)  # the first empty record is in [lo, hi]
+
+            def kind(i: int) -> int:
+                fh.seek(HEADER_SIZE + i * RECORD.size)
+                return fh.read(1)[0]
+
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if kind(mid):
+                    lo = mid + 1
+                else:
+                    hi = mid
+            if lo == 0:
+                return None
+            fh.seek(HEADER_SIZE + (lo - 1) * RECORD.size)
+            k, source, rnd, rank, world, step, t0, t1, t2 = RECORD.unpack(fh.read(RECORD.size))
+    except (OSError, IndexError, struct.error):
+        return None
+    return Record(k, SOURCES.get(source), rnd, rank, world, step, t0, t1, t2)
+
+
 def read_dirs(dirs: list[Path] | list[str]) -> dict[int, ProcessLog]:
     """Every step log under ``dirs`` (searched recursively), by process id."""
     out: dict[int, ProcessLog] = {}
