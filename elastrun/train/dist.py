@@ -59,8 +59,28 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
                     f"WORLD_SIZE is set but {name} is not: start this script with elastrun (or another "
                     "launcher that sets RANK, MASTER_ADDR and MASTER_PORT)"
                 )
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        try:
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        except BaseException:
+            _forget_failed_init()
+            raise
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def _forget_failed_init() -> None:
+    """Undo the name a failed ``init_process_group`` gave the default group (issue 35).
+
+    torch names an unnamed group from a counter (``"0"``, ``"1"``, ...) before building it, and the
+    name is the prefix of the group's keys in the store.  A set-up that fails (a peer that never
+    came, or a re-form's pause shutting its connections) keeps the counter, so this process's next
+    group would use ``1/`` while a fresh process uses ``0/``: they would never meet.  Reset it, as
+    ``destroy_process_group`` does for a destroyed default group.
+    """
+    if dist.is_initialized():
+        return
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
 
 
 def active() -> bool:

@@ -39,7 +39,8 @@ def test_a_group_stalled_in_its_restore_after_a_re_form_is_caught_by_the_learned
     Without the bound nothing judges a worker before its first heartbeat and the job never ends."""
     agent = agents.start(["--standalone", "--nproc-per-node=2", "--hang-timeout=2", "--max-restarts=3",
                           "--preload=torch,elastrun.train", "--event-log-stdout"],
-                         script=[str(SCRIPTS / "stall_restore.py")], env=base_env(STALL_DIR=str(tmp_path)))
+                         script=[str(SCRIPTS / "reform_faults.py")],
+                         env=base_env(STALL_DIR=str(tmp_path), FAULT="block-restore"))
     assert agent.wait(150) == 0, agent.output()[-6000:]
     out = agent.output()
     assert (tmp_path / "blocked").exists(), out[-3000:]

@@ -1,18 +1,26 @@
-"""An ``et.run`` job whose kept worker blocks in its restore after a re-form, once (the stall test).
+"""An ``et.run`` job with a second fault during the re-form that follows a first (issue 35's tests).
 
 Two ranks train a tiny model for $STEPS steps (default 40), each commit a heartbeat.  In the first
 attempt rank 1 SIGKILLs itself at step 10: its agent keeps rank 0's process (an in-process
-re-form) and starts rank 1 anew.  The kept process then blocks in ``State.restore`` (in
-``blocked_in_restore``, the name its stack dump must show) while the new rank 1 waits for it in
-the restore's collective: a group that formed and never steps, with no heartbeat from either.
-Only once: a marker file in $STALL_DIR says the block happened, so the worker started in its
-place goes on, and the job finishes.
+re-form) and starts rank 1 anew.  Then, by $FAULT:
+
+* ``block-restore``: the kept process blocks in ``State.restore`` (in ``blocked_in_restore``, the
+  name its stack dump must show) while the new rank 1 waits for it in the restore's collective: a
+  group that formed and never steps, with no heartbeat from either.  Only once: a marker file in
+  $STALL_DIR says the block happened, so the worker started in its place goes on.
+* ``exit-during-init``: the new rank 1 exits (code 3) 1.5 s after its start, before it sets up
+  its process group, while the kept rank 0 waits for it in its own set-up: the agent pauses rank 0
+  in the middle of its ``init_process_group``, which fails, and hands it the next round, where it
+  must meet a fresh rank 1 again.
+
+Either way the job then finishes.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -35,7 +43,7 @@ class StallingState(et.State):
     def restore(self) -> str | None:
         self.restores += 1
         marker = Path(os.environ["STALL_DIR"]) / "blocked"
-        if self.restores == 2 and not marker.exists():
+        if os.environ["FAULT"] == "block-restore" and self.restores == 2 and not marker.exists():
             marker.write_text(str(os.getpid()))
             print(f"pid {os.getpid()} blocks in its restore", flush=True)
             blocked_in_restore()
@@ -59,6 +67,9 @@ def train(state: et.State, net: torch.nn.Module, opt: torch.optim.Optimizer, ste
 
 
 def main() -> None:
+    if os.environ["FAULT"] == "exit-during-init" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "1":
+        time.sleep(1.5)  # rank 0, kept, is in its process group's set-up, waiting for this one
+        sys.exit(3)
     torch.manual_seed(0)
     net = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
