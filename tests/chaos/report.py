@@ -9,7 +9,8 @@ import statistics
 import time
 from collections import defaultdict
 
-from tests.chaos.harness import QUIET_KINDS, WORKER_KINDS, Fault, RunResult
+from tests.chaos.faults import QUIET_KINDS, WORKER_KINDS, Fault
+from tests.chaos.harness import RunResult
 
 NODE_GOAL_KINDS = ("agent_kill", "agent_term", "partition")
 
