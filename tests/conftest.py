@@ -7,6 +7,7 @@ import signal
 
 import pytest
 
+from tests import evidence
 from tests.harness import Cluster
 
 # A shell without job control starts background commands (`bash .ci/run &`) with SIGINT ignored,
@@ -88,11 +89,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = keep
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Keep each phase's report on the test item (``item.report_setup``, ``item.report_call``): the
+    fixtures that keep a failed test's evidence ask :func:`tests.evidence.test_failure`."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
 @pytest.fixture
-def agents(tmp_path):
-    """A :class:`tests.harness.Cluster` whose processes are killed (by PID) after the test."""
+def agents(tmp_path, request):
+    """A :class:`tests.harness.Cluster` whose processes are killed (by PID) after the test; when the
+    test failed (a timeout included), every process's stacks are taken first and its directory
+    (agents' output, logs) is kept (:mod:`tests.evidence`)."""
     c = Cluster(tmp_path)
     try:
         yield c
     finally:
+        why = evidence.test_failure(request.node)
+        if why:
+            evidence.dump_stacks(c.pids(), tmp_path)
         c.cleanup()
+        if why:
+            evidence.keep(tmp_path, why, request.node.name, move=False)

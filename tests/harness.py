@@ -175,6 +175,14 @@ class Cluster:
         self.agents.append(agent)
         return agent
 
+    def pids(self) -> set[int]:
+        """Every live process this cluster started, and their descendants."""
+        pids: set[int] = set()
+        for agent in self.agents:
+            agent.descendants()
+            pids |= set(alive(agent.known_pids))
+        return pids
+
     def cleanup(self) -> None:
         pids: set[int] = set()
         for agent in self.agents:

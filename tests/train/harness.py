@@ -64,6 +64,19 @@ class Procs:
             kill_group(p)
             raise AssertionError(f"launcher did not finish in {timeout} s; log:\n{log.read_text()[-3000:]}") from None
 
+    def pids(self) -> set[int]:
+        """Every live launched process and its descendants."""
+        import psutil
+
+        pids: set[int] = set()
+        for p in self.procs:
+            try:
+                root = psutil.Process(p.pid)
+                pids |= {p.pid, *(c.pid for c in root.children(recursive=True))}
+            except psutil.Error:
+                continue
+        return pids
+
     def cleanup(self) -> None:
         for p in self.procs:
             kill_group(p)
