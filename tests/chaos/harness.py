@@ -1,14 +1,11 @@
 """The chaos harness: one elastic training job (tests/chaos/trainer.py under real elastrun agents),
-faults injected one after another on a seeded random schedule, each measured, then the invariants
-(:mod:`tests.chaos.verify`) checked.
+its processes, its progress and its evidence.  The faults, their schedule and what is measured of
+each: :mod:`tests.chaos.faults`; a whole run with its invariants: :mod:`tests.chaos.run`.
 
-Usage::
-
-    spec = JobSpec(backend="c10d", faults=8, seed=1)
-    result = run_job(spec)            # sets up, injects, verifies, cleans up everything
-    assert result.ok, result.summary()
-
-The faults, their schedule and what is measured of each: :mod:`tests.chaos.faults`.
+A stall (no committed step for ``JobSpec.stall_after`` seconds, seen by every wait of the
+harness), a timeout or an agent left running is a finding: the stacks of every process of the run
+are taken at once (:meth:`ChaosJob.snapshot`), and the clean-up keeps the work directory
+(:mod:`tests.evidence`) and prints where.
 Every process is started in its own session and tracked by PID (psutil); nothing is looked up by
 name.  Every wait is bounded.
 """
@@ -29,6 +26,7 @@ from typing import Any
 
 import psutil
 
+from tests import evidence
 from tests.chaos import records, verify
 from tests.chaos.faults import KINDS, Fault, FaultInjection
 from tests.chaos.records import StepLog
@@ -58,6 +56,9 @@ class JobSpec:
     batch: int = 4
     pace: float = 0.05
     hang_timeout: float = 3.0
+    #: Seconds without a committed step after which the job is stalled: its evidence is taken at once
+    #: (stacks first), and after every fault the job must step again within this (the stall invariant).
+    stall_after: float = 30.0
     max_restarts: int = 100000
     slow_seconds: float = 1.0
     fault_timeout: float = 60.0
@@ -96,6 +97,8 @@ class RunResult:
     exit_codes: list[int | None] = field(default_factory=list)
     worlds: list[int] = field(default_factory=list)
     steps: int = 0
+    #: Where the run's work directory was kept (a violation, a stall, a timeout), else None.
+    evidence: Path | None = None
 
     @property
     def ok(self) -> bool:
@@ -105,6 +108,8 @@ class RunResult:
         lines = [f"{self.spec.name}: "
                  f"{len(self.faults)} faults, {self.steps} steps, {self.duration:.0f} s, exit codes {self.exit_codes}"]
         lines += [f"  [{'ok' if c.ok else 'VIOLATED'}] {c.name}: {c.detail}" for c in self.checks]
+        if self.evidence is not None:
+            lines.append(f"  evidence kept: {self.evidence}")
         for f in self.faults:
             kept = f" kept {len(f.kept)}/{len(f.survivors)}" if self.spec.reform else ""
             lines.append(f"  {f.kind:<12} node {f.node}: detect {_fmt(f.detect)} restart {_fmt(f.restart)} "
@@ -146,6 +151,13 @@ class ChaosJob(FaultInjection):
         self.endpoint = ""
         self.faults: list[Fault] = []
         self.pending_join = False
+        #: What went wrong, in order (a stall, a timeout, an agent that exited by itself): the reasons
+        #: the evidence is kept for.  :meth:`snapshot` adds to it.
+        self.findings: list[str] = []
+        #: The stall under way (the newest step's time when it was seen), so it is snapshotted once.
+        self._stall_seen: float | None = None
+        #: Where :meth:`cleanup` kept the work directory (None: removed).
+        self.kept: Path | None = None
         self._hb_dirs: set[Path] = set()
         self._tmp_before = self._agent_tmp_dirs()
 
@@ -182,8 +194,36 @@ class ChaosJob(FaultInjection):
     def _hub(self) -> list[str]:
         return ["ip", "netns", "exec", self.net.hub]
 
-    def cleanup(self) -> None:
-        """Kill every process of the run (by PID), remove etcd, namespaces and directories."""
+    def snapshot(self, why: str) -> None:
+        """Something went wrong (``why``): before anything is killed, every live process of the run
+        writes its Python stacks to its log (:mod:`tests.evidence`) and is listed in
+        ``processes.txt``; the clean-up then keeps the work directory."""
+        self.track()
+        stamp = time.strftime("%H:%M:%S")
+        self.findings.append(f"{stamp} {why}")
+        print(f"chaos: {why}; taking the stacks of every process of the run", file=sys.stderr, flush=True)
+        with open(self.work / "findings.txt", "a", encoding="utf-8") as fh:
+            fh.write(f"{stamp} {why}\n")
+        live = [n.proc.pid for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+        evidence.dump_stacks([*live, *self.tracked], self.work)
+
+    def watch_stall(self, context: str) -> bool:
+        """Whether the job is stalled (no committed step for ``spec.stall_after`` s); the first time a
+        stall is seen its evidence is taken (:meth:`snapshot`).  ``context``: what the harness waits for."""
+        self.steps.refresh()
+        newest = self.steps.newest
+        if not newest or time.time() - newest < self.spec.stall_after:
+            return False
+        if self._stall_seen != newest:
+            self._stall_seen = newest
+            self.snapshot(f"stall: no committed step for {time.time() - newest:.0f} s (since "
+                          f"{time.strftime('%H:%M:%S', time.localtime(newest))}) while waiting for {context}")
+        return True
+
+    def cleanup(self, keep: str | None = None) -> None:
+        """Kill every process of the run (by PID), remove etcd, namespaces and directories; keep the
+        work directory as evidence (:func:`tests.evidence.keep`, the path printed) when something
+        went wrong (``keep`` or :attr:`findings`) or ``CHAOS_KEEP`` is set."""
         self.track()
         for node in self.nodes:
             if node.proc is not None and node.proc.poll() is None:
@@ -204,8 +244,10 @@ class ChaosJob(FaultInjection):
         if self.net is not None:
             self.net.down()
         self._remove_leftover_shm()
-        if os.environ.get("CHAOS_KEEP"):  # for a post-mortem: keep logs and records
-            print(f"chaos: work directory kept: {self.work}", file=sys.stderr)
+        why = "\n".join([*self.findings, *([keep] if keep else [])])
+        if why or os.environ.get("CHAOS_KEEP"):  # for a post-mortem: logs, records, stacks
+            self.kept = evidence.keep(self.work, why or "CHAOS_KEEP was set",
+                                      f"chaos-{self.spec.backend}-seed{self.spec.seed}")
         else:
             shutil.rmtree(self.work, ignore_errors=True)
 
@@ -319,6 +361,8 @@ class ChaosJob(FaultInjection):
         return pids
 
     def _wait(self, predicate, timeout: float, what: str) -> Any:
+        """Poll ``predicate`` until truthy (returned), watching for a stall meanwhile (its evidence is
+        taken the moment it is seen, the wait goes on); TimeoutError after ``timeout`` s."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.track()
@@ -327,6 +371,7 @@ class ChaosJob(FaultInjection):
                 return value
             if all(n.proc.poll() is not None for n in self.nodes if n.proc is not None):
                 raise RuntimeError(f"every agent has exited while waiting for {what}")
+            self.watch_stall(what)
             time.sleep(0.05)
         raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
 
@@ -365,6 +410,9 @@ class ChaosJob(FaultInjection):
             except subprocess.TimeoutExpired:
                 pass
         self.track()
+        stuck = [n.index for n in live if n.proc is not None and n.proc.poll() is None]
+        if stuck:  # their stacks, before the clean-up kills them
+            self.snapshot(f"the agents of node(s) {stuck} still ran {self.spec.end_timeout:g} s after the release")
         return [n.proc.poll() for n in live if n.proc is not None]
 
     def etcd_keys(self, prefix: str) -> list[str]:
@@ -396,77 +444,3 @@ def _kill_if_same(pid: int, created: float) -> None:
             proc.kill()
     except psutil.Error:
         pass
-
-
-def run_job(spec: JobSpec, references: dict[tuple, str] | None = None) -> RunResult:
-    """Run one chaos job end to end and check the invariants; everything is cleaned up."""
-    result = RunResult(spec)
-    started = time.monotonic()
-    with ChaosJob(spec) as job:
-        try:
-            job.start()
-            job.run_faults()
-        except (TimeoutError, RuntimeError) as exc:
-            result.checks.append(verify.Check("faults injected", False, str(exc)))
-        result.faults = job.faults
-        result.exit_codes = job.finish()
-        result.duration = time.monotonic() - started
-        failed = [e for e in job.events() if e["event"] == "job_failed"]
-        finished = (job.out / "final.json").exists() and all(c == 0 for c in result.exit_codes)
-        detail = "all agents exited 0, final.json written" if finished else (
-            f"exit codes {result.exit_codes}; " + ("; ".join(e["reason"][:300] for e in failed[:2]) or "no summary"))
-        result.checks.append(verify.Check("job finished", finished, detail))
-        job.steps.refresh()
-        steps = records.committed(job.steps.records)
-        result.steps = len(steps)
-        result.worlds = sorted({r["w"] for recs in steps.values() for r in recs})
-        result.checks.append(verify.samples_once(steps, spec.samples))
-        result.checks.append(verify.complete_steps(steps))
-        restored = records.restores(job.out)
-        result.checks.append(verify.no_step_lost(job.steps.records, restored))
-        result.checks.append(verify.same_parameters(steps, restored, job.steps.records))
-        full = spec.nodes * spec.nproc
-        reference = None
-        if steps and result.worlds == [full]:
-            epochs = max(r["e"] for recs in steps.values() for r in recs) + 1
-            key = (full, epochs, spec.samples, spec.batch)
-            if references is not None and key in references:
-                reference = references[key]
-            else:
-                reference = reference_sha(full, epochs, spec.samples, spec.batch)
-                if references is not None:
-                    references[key] = reference
-        result.checks.append(verify.final_parameters(job.out, steps, spec.samples, reference))
-        unlogged = [f"{f.kind}@node{f.node}" for f in job.faults if not f.logged]
-        result.checks.append(verify.Check("every fault and recovery in the logs", not unlogged,
-                                          f"not found for {unlogged}" if unlogged
-                                          else f"{len(job.faults)} faults, each detected and recovered"))
-        if spec.backend == "etcd":
-            result.checks.append(verify.no_etcd_keys(job.etcd_keys, f"/elastrun/{job.run_id}/"))
-        job.track()
-        tracked = dict(job.tracked)
-    result.checks.append(verify.no_orphans(tracked))
-    return result
-
-
-def reference_sha(world: int, epochs: int, samples: int, batch: int) -> str:
-    """SHA-256 of the parameters of a failure-free run (one agent, ``world`` workers)."""
-    import json
-
-    work = Path(tempfile.mkdtemp(prefix="elastrun-chaos-ref-"))
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR")
-    argv = [sys.executable, "-m", "elastrun", "--standalone", f"--nproc-per-node={world}", "--start-method=fork",
-            "--preload=torch,elastrun.train", str(TRAINER), "--out", str(work), "--epochs", str(epochs),
-            "--samples", str(samples), "--batch", str(batch)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the failure-free reference run failed:\n{output.decode(errors='replace')[-3000:]}")
-        return json.loads((work / "final.json").read_text())["sha256"]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        shutil.rmtree(work, ignore_errors=True)

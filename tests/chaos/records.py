@@ -21,6 +21,8 @@ class StepLog:
         self.out = out
         self.records: list[dict[str, Any]] = []
         self._offsets: dict[Path, int] = {}
+        #: When the newest step record was written (Unix time; 0 before the first).
+        self.newest = 0.0
 
     def refresh(self) -> list[dict[str, Any]]:
         """Read what was appended since the last call; returns the new records."""
@@ -37,6 +39,8 @@ class StepLog:
             self._offsets[path] = offset + end
         new.sort(key=lambda r: r["t"])
         self.records.extend(new)
+        if new:
+            self.newest = max(self.newest, new[-1]["t"])
         return new
 
     def max_generation(self) -> int:

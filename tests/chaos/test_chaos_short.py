@@ -14,7 +14,10 @@ import shutil
 import pytest
 
 from tests.chaos import verify
-from tests.chaos.harness import JobSpec, run_job
+from tests.chaos.faults import Fault
+from tests.chaos.harness import JobSpec
+from tests.chaos.run import run_job
+from tests.evidence import EVIDENCE_ENV
 from tests.rendezvous.etcd_cluster import etcd_available
 
 LOOPBACK = ("worker_kill", "worker_exit", "worker_hang", "agent_kill", "agent_term", "node_join", "slow_node")
@@ -94,10 +97,47 @@ def test_invariants_catch_a_lost_step_and_diverged_ranks():
     assert not wrong.ok and "generation 1 committed" in wrong.detail, wrong.detail
 
 
-def test_faults_beyond_the_budget_fail_with_a_summary():
-    """More failures than --max-restarts: the job stops and the result says why (no hang, nothing left)."""
+def test_faults_beyond_the_budget_fail_with_a_summary(tmp_path, monkeypatch):
+    """More failures than --max-restarts: the job stops and the result says why (no hang, nothing
+    left), and the run's evidence is kept where the summary says."""
+    monkeypatch.setenv(EVIDENCE_ENV, str(tmp_path))
     result = run_job(JobSpec(backend="c10d", seed=5, faults=3, kinds=("worker_kill",), max_restarts=1))
     assert not result.ok
     finished = next(c for c in result.checks if c.name == "job finished")
     assert not finished.ok and "restart budget (--max-restarts=1) is spent" in finished.detail, result.summary()
     assert next(c for c in result.checks if c.name == "no orphan processes").ok, result.summary()
+    assert result.evidence is not None and result.evidence.parent == tmp_path, result.summary()
+    assert f"evidence kept: {result.evidence}" in result.summary()
+    assert "job finished" in (result.evidence / "WHY.txt").read_text()
+    assert list(result.evidence.glob("logs/events-*.jsonl")) and list(result.evidence.glob("data/steps.*.jsonl"))
+
+
+def test_a_stall_is_a_violation_and_its_stacks_are_taken_before_anything_is_killed(tmp_path, monkeypatch):
+    """A worker hangs and its agent takes longer than the stall bound to see it: while the job is
+    stalled the harness takes every process's stacks (they live on), then fails the stall invariant
+    and keeps the work directory."""
+    monkeypatch.setenv(EVIDENCE_ENV, str(tmp_path))
+    result = run_job(JobSpec(backend="c10d", seed=1, faults=1, kinds=("worker_hang",), stall_after=1.5,
+                             hang_timeout=5.0))
+    stall = next(c for c in result.checks if c.name == "steps again after every fault (no stall)")
+    assert not stall.ok and "stall: no committed step for" in stall.detail, result.summary()
+    assert result.evidence is not None, result.summary()
+    kept = result.evidence
+    assert "stall: no committed step for" in (kept / "WHY.txt").read_text()
+    listed = (kept / "processes.txt").read_text()
+    assert " stacks " in listed, listed  # agents and workers were asked for their stacks
+    logs = "".join(p.read_text(errors="replace") for p in kept.glob("agent*.log"))
+    assert "most recent call first" in logs and "elastrun/agent/agent.py" in logs, logs[-3000:]
+
+
+def test_the_stall_invariant_can_fail():
+    fault = Fault("worker_kill", 1, 0.0, first_step=2.0)
+    assert verify.steps_again([fault], 30.0, []).ok
+    late = verify.steps_again([fault, Fault("agent_kill", 2, 0.0, first_step=None)], 30.0, [])
+    assert not late.ok and "agent_kill@node2: never" in late.detail
+    seen = verify.steps_again([fault], 30.0, ["12:00:00 stall: no committed step for 31 s"])
+    assert not seen.ok and "stall" in seen.detail
+    records = [{"t": t} for t in (100.0, 100.1, 100.2, 140.0, 140.1)]  # a stall nobody watched while it lasted
+    gap = verify.steps_again([fault], 30.0, [], records)
+    assert not gap.ok and "for 39.8 s" in gap.detail
+    assert verify.steps_again([fault], 30.0, [], records[:3]).ok

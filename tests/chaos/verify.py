@@ -14,6 +14,8 @@ so a run reports every violation at once.
   an in-process replay of the committed steps (same model, same slices, gradients averaged over
   the step's world size) within :data:`REPLAY_RTOL` — the replay sums the ranks' gradients in rank
   order while gloo's all-reduce may add them in another order, so the last bits can differ;
+* the job never stalls: after every fault it steps again within the stall bound, and at no other
+  moment does it go that long without a committed step (:func:`steps_again`);
 * no process of the run is left (PIDs tracked with psutil, never looked up by name);
 * no key of the job is left in etcd.
 """
@@ -184,6 +186,29 @@ def final_parameters(out: Path, steps: dict[int, list[dict[str, Any]]], samples:
     rel = diff / scale
     return Check("final parameters", rel <= REPLAY_RTOL,
                  f"relative difference to the failure-free replay {rel:.2e} (tolerance {REPLAY_RTOL:g})")
+
+
+def step_gaps(records: list[dict[str, Any]], bound: float) -> list[str]:
+    """Every stretch longer than ``bound`` seconds between two consecutive step records of the job
+    (any rank, any generation), as text: a stall, even one nobody was watching while it lasted."""
+    times = sorted(r["t"] for r in records)
+    return [f"no step from {time.strftime('%H:%M:%S', time.localtime(a))} for {b - a:.1f} s"
+            for a, b in zip(times, times[1:], strict=False) if b - a > bound]
+
+
+def steps_again(faults: list[Any], bound: float, stalls: list[str], records: list[dict[str, Any]] = ()) -> Check:
+    """After every fault the job stepped again within ``bound`` seconds (its ``first_step``: from the
+    injection, or for a fault that must not restart anything from its end), no stall was seen at
+    any other moment (``stalls``: the harness's stall findings), and no two consecutive step
+    ``records`` are further apart than ``bound``."""
+    late = [f"{f.kind}@node{f.node}: " + ("never" if f.first_step is None else f"{f.first_step:.1f} s")
+            for f in faults if f.first_step is None or f.first_step > bound]
+    bad = late + stalls + step_gaps(list(records), bound)
+    steps = [f.first_step for f in faults if f.first_step is not None]
+    slowest = max(steps, default=0.0)
+    detail = ("; ".join(bad[:5]) if bad else
+              f"{len(faults)} faults, the slowest stepped again after {slowest:.1f} s (bound {bound:g} s)")
+    return Check("steps again after every fault (no stall)", not bad, detail)
 
 
 def no_orphans(tracked: dict[int, float], timeout: float = 10.0) -> Check:
