@@ -8,6 +8,14 @@ training loop (every worker restarted after a change) and ``et.run`` (survivors 
 process), so that every backend runs both and half of the faults hit ``et.run`` jobs.  Each job
 takes ``--faults-per-job`` faults until ``--faults`` are injected or ``--max-minutes`` would be
 exceeded (the report then says how many fitted).  Exit code 0 when every invariant held, 1 otherwise.
+
+``--until-failure`` hunts instead: jobs with new seeds, one after another, until one violates an
+invariant (a stall included: the job must step again within ``JobSpec.stall_after`` after every
+fault) or ``--max-minutes`` is spent.  The failing job's work directory, with every process's
+stacks taken when it went wrong, is kept (``tests/evidence.py``) and its path printed; exit code 1.
+Exit code 0 when no job failed in the time.
+
+    .venv/bin/python tools/chaos.py --until-failure --max-minutes 120 --seed 7
 """
 
 from __future__ import annotations
@@ -22,8 +30,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.chaos.harness import JobSpec, RunResult, run_job  # noqa: E402
+from tests.chaos.harness import JobSpec, RunResult  # noqa: E402
 from tests.chaos.report import render  # noqa: E402
+from tests.chaos.run import run_job  # noqa: E402
 
 LOOPBACK_KINDS = ("worker_kill", "worker_exit", "worker_hang", "agent_kill", "agent_term", "node_join", "slow_node")
 
@@ -57,10 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-minutes", type=float, default=25.0, help="no new job starts after this wall time")
     p.add_argument("--report", default=None, help="write the markdown report here (e.g. docs/chaos.md)")
     p.add_argument("--no-netns", action="store_true", help="skip the network-namespace jobs even as root")
+    p.add_argument("--until-failure", action="store_true",
+                   help="run jobs with new seeds until one fails (its evidence is kept) or --max-minutes is spent")
     a = p.parse_args(argv)
     if a.faults <= 0 or a.faults_per_job <= 0:
         p.error("--faults and --faults-per-job must be positive")
     netns = os.geteuid() == 0 and shutil.which("ip") is not None and not a.no_netns
+    if a.until_failure:
+        return until_failure(a, netns)
     started = time.monotonic()
     results: list[RunResult] = []
     references: dict[tuple, str] = {}
@@ -98,6 +111,37 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(text)
     return 0 if results and all(r.ok for r in results) else 1
+
+
+def until_failure(a: argparse.Namespace, netns: bool) -> int:
+    """Jobs with new seeds until one fails or the time is spent (see the module docstring)."""
+    started = time.monotonic()
+    references: dict[tuple, str] = {}
+    jobs = faults = 0
+    last_job = 0.0
+    seeds: list[int] = []
+    for spec in job_specs(a.seed, a.faults_per_job, netns):
+        if time.monotonic() - started + last_job > a.max_minutes * 60:
+            break
+        t = time.monotonic()
+        result = run_job(spec, references)
+        last_job = time.monotonic() - t
+        jobs += 1
+        faults += len(result.faults)
+        seeds.append(spec.seed)
+        print(result.summary(), flush=True)
+        if not result.ok:
+            where = result.evidence or "(not kept: see the summary above)"
+            print(f"until-failure: {spec.name} failed after {jobs} job(s), {faults} fault(s), "
+                  f"{(time.monotonic() - started) / 60:.1f} min; evidence: {where}", flush=True)
+            if a.report:
+                Path(a.report).write_text(render([result], spec.seed, len(result.faults), last_job,
+                                                 f"tools/chaos.py --until-failure (seed {spec.seed})"))
+            return 1
+    span = f"seeds {seeds[0]}-{seeds[-1]}" if seeds else "no seed"
+    print(f"until-failure: no failure in {jobs} job(s), {faults} fault(s), {span}, "
+          f"{(time.monotonic() - started) / 60:.1f} min (--max-minutes {a.max_minutes:g})", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
