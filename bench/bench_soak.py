@@ -37,10 +37,8 @@ import json
 import os
 import random
 import signal
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,36 +47,11 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.soak_report import Series, add_run, analyse, plot, render, write_section  # noqa: E402
 from tests.chaos import records, verify  # noqa: E402
 from tests.chaos.harness import ChaosJob, JobSpec  # noqa: E402
 
 PERMANENT = (0, 1)
-#: Largest growth over the measured span that still counts as flat, per metric (and its unit).  RSS
-#: moves with the allocator's arenas and Python's free lists; a leak of one object per round shows
-#: only over many rounds, hence bounds on the fitted trend, not on single samples.
-BOUNDS: dict[str, tuple[float, str]] = {
-    "rss": (4.0, "MiB"),
-    "worker_rss_max": (4.0, "MiB"),
-    "worker_fds_max": (1.0, "descriptors"),
-    "worker_threads_max": (1.0, "threads"),
-    "fds": (1.0, "descriptors"),
-    "threads": (1.0, "threads"),
-    "children": (1.0, "processes"),
-    "store_keys": (2.0, "keys"),
-    "etcd_keys": (2.0, "keys"),
-    "etcd_leases": (1.0, "leases"),
-    "shm_bytes": (1.0, "MiB"),
-    "shm_entries": (2.0, "entries"),
-}
-
-
-@dataclass
-class Series:
-    """One metric of one process (or of the job) over time: ``(t, round, value)`` points."""
-
-    name: str
-    metric: str
-    points: list[tuple[float, int, float]] = field(default_factory=list)
 
 
 class Soak:
@@ -88,7 +61,8 @@ class Soak:
         self.args = args
         self.rng = random.Random(args.seed)
         spec = JobSpec(backend=args.backend, seed=args.seed, nodes=4, min_nodes=3, reform=not args.plain,
-                       samples=args.samples, pace=args.pace, fault_timeout=120.0, end_timeout=180.0)
+                       samples=args.samples, pace=args.pace, fault_timeout=120.0, end_timeout=180.0,
+                       stall_after=args.stall_after)
         self.job = ChaosJob(spec)
         self.series: dict[tuple[str, str], Series] = {}
         self.changes: list[tuple[float, str, int]] = []
@@ -102,6 +76,8 @@ class Soak:
         #: Sample times at which every node was up: job-wide series are fitted on these only (they
         #: follow the membership: a down node's runtime directory and heartbeat key are gone).
         self.full: set[float] = set()
+        #: Agents that exited without being told (``"node N (pid P): exit code C at T s"``): findings.
+        self.self_exits: list[str] = []
 
     # ------------------------------------------------------------------ churn
     def start(self) -> None:
@@ -134,15 +110,39 @@ class Soak:
             pids = job.worker_pids(node)
             if not pids:
                 return
-            os.kill(self.rng.choice(pids), signal.SIGKILL)
+            try:
+                os.kill(self.rng.choice(pids), signal.SIGKILL)
+            except ProcessLookupError:  # it ended between the listing and the kill (a restart): no change
+                return
             self.changes.append((time.time(), kind, node.index))
             return
         node = self.rng.choice([n for n in job.up_nodes() if n.index not in PERMANENT])
         assert node.proc is not None
+        if self._exited(node):  # gone by itself: a finding (see :meth:`watch`), not this change
+            return
         job.node_id(node)
         node.state = "down"
         os.kill(node.proc.pid, signal.SIGKILL if kind == "node_loss" else signal.SIGTERM)
         self.changes.append((time.time(), kind, node.index))
+
+    def _exited(self, node) -> bool:
+        """Whether an up node's agent has exited without being told to: said once, as a finding."""
+        code = node.proc.poll() if node.proc is not None else None
+        if node.state != "up" or code is None:
+            return False
+        what = f"the agent of node {node.index} (pid {node.proc.pid}) exited by itself with code {code} " \
+               f"at {time.time() - self.t0:.0f} s"
+        self.self_exits.append(what)
+        node.state = "down"  # the next change brings the node back
+        self.job.snapshot(what)
+        return True
+
+    def watch(self) -> bool:
+        """Between changes: a stall (its stacks taken the moment it is seen, by the harness) and agents
+        that exited by themselves; False when the run cannot go on (a permanent node's agent is gone)."""
+        self.job.watch_stall("the next change")
+        gone = [node.index for node in self.job.nodes if self._exited(node)]
+        return not set(gone) & set(PERMANENT)
 
     # ------------------------------------------------------------------ sampling
     def _add(self, name: str, metric: str, t: float, rnd: int, value: float) -> None:
@@ -263,8 +263,13 @@ class Soak:
         next_change = time.time() + self.rng.uniform(lo, hi)
         next_sample = time.time()
         print(f"soak: {a.backend}, {a.minutes:g} min, job {self.job.run_id}, work {self.job.work}", flush=True)
+        next_watch = 0.0
         while time.time() < end:
             now = time.time()
+            if now >= next_watch:
+                if not self.watch():
+                    break
+                next_watch = now + 1.0
             if now >= next_sample:
                 self.sample()
                 next_sample = now + a.sample_every
@@ -278,199 +283,53 @@ class Soak:
         if any(n.state == "down" for n in self.job.nodes):
             self.change()  # capacity back before the end
         since = time.time()
-        self.job._wait(lambda: self.job.steady(since, 3), 180, "steady training before the end")
+        try:
+            self.job._wait(lambda: self.job.steady(since, 3), 180, "steady training before the end")
+        except (TimeoutError, RuntimeError) as exc:  # a finding with its evidence, not the bench's crash
+            self.job.snapshot(f"no steady training before the end: {exc}")
         self.sample()
         codes = self.job.finish()
         return self.verdicts(codes)
 
-    def verdicts(self, codes: list[int | None]) -> dict[str, Any]:
+    def verdicts(self, codes: list[int | None], failure: str | None = None) -> dict[str, Any]:
+        """Every check of the run (``failure``: why the run itself could not go on, a check too)."""
         job = self.job
         job.steps.refresh()
         steps = records.committed(job.steps.records)
         restored = records.restores(job.out)
+        events = job.events()
+        judged = [f"{e['event']} on {e['node']}: {e.get('reason', '')[:160]}" for e in events
+                  if e["event"] in ("stall", "hang_detected")]
+        stalls = [f for f in job.findings if " stall: " in f" {f} "]
+        gaps = verify.step_gaps(job.steps.records, self.args.stall_after)
         checks = [
+            *([verify.Check("soak ran to its end", False, failure)] if failure else []),
             verify.Check("job finished", (job.out / "final.json").exists() and all(c == 0 for c in codes),
                          f"exit codes {codes}"),
+            verify.Check("no stall", not stalls and not gaps,
+                         "; ".join([*stalls, *gaps][:4]) or f"no {self.args.stall_after:g} s without a committed step"),
+            verify.Check("no agent exited by itself", not self.self_exits, "; ".join(self.self_exits[:4]) or "none"),
+            verify.Check("no worker judged hung or stalled (none was made to hang)", not judged,
+                         "; ".join(judged[:3]) or "none"),
             verify.samples_once(steps, self.args.samples),
             verify.complete_steps(steps),
             verify.no_step_lost(job.steps.records, restored),
             verify.same_parameters(steps, restored, job.steps.records),
         ]
+        bad = [c for c in checks if not c.ok]
+        if bad:  # the clean-up keeps the work directory, with the reasons
+            job.findings.append("violated: " + "; ".join(f"{c.name}: {c.detail[:300]}" for c in bad))
+        times = sorted(r["t"] for r in job.steps.records)
+        longest = max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
         return {"codes": codes, "checks": [c.__dict__ for c in checks], "steps": len(steps),
-                "rounds": self.rounds(), "restores": len(restored)}
+                "rounds": self.rounds(), "restores": len(restored), "stalls": len(stalls) + len(gaps),
+                "longest_gap": longest, "self_exits": self.self_exits, "judged": judged}
 
     def close(self) -> None:
         self.store = None
         self.job.cleanup()
-
-
-# ---------------------------------------------------------------------------------- analysis
-def fit(points: list[tuple[float, int, float]]) -> tuple[float, float]:
-    """Least-squares slopes of value against time (per second) and against rounds (per round)."""
-
-    def slope(xs: list[float], ys: list[float]) -> float:
-        if len(xs) < 3 or max(xs) == min(xs):
-            return 0.0
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        den = sum((x - mx) ** 2 for x in xs)
-        return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den
-
-    ts = [p[0] for p in points]
-    rs = [float(p[1]) for p in points]
-    vs = [p[2] for p in points]
-    return slope(ts, vs), slope(rs, vs)
-
-
-def workers_max(series: dict[tuple[str, str], Series]) -> dict[tuple[str, str], Series]:
-    """Job-wide series of the largest RSS, descriptor and thread count over the live workers at each
-    sample: no worker lives through a whole soak (crashes hit them), but the oldest one carries
-    whatever re-forms leave behind."""
-    out = {}
-    for metric in ("rss", "fds", "threads"):
-        at: dict[float, tuple[int, float]] = {}
-        for (name, m), s in series.items():
-            if m == metric and name.startswith("worker"):
-                for t, rnd, v in s.points:
-                    at[t] = (rnd, max(v, at.get(t, (rnd, v))[1]))
-        if at:
-            out[("job", f"worker_{metric}_max")] = Series("job", f"worker_{metric}_max",
-                                                          [(t, rnd, v) for t, (rnd, v) in sorted(at.items())])
-    return out
-
-
-def analyse(series: dict[tuple[str, str], Series], warmup: float, span_end: float,
-            full: set[float]) -> list[dict[str, Any]]:
-    """One row per (process or job, metric) that covers the measured span, with its fitted growth;
-    job-wide series only on the samples taken while every node was up (``full``)."""
-    rows = []
-    series = {**series, **workers_max(series)}
-    for (name, metric), s in sorted(series.items()):
-        if metric not in BOUNDS:
-            continue
-        # A process is fitted after its own warm-up too (a joiner's agent imports torch, a new
-        # worker builds its model), and only if what is left covers most of the measured span.
-        born = s.points[0][0]
-        pts = [p for p in s.points if p[0] >= max(warmup, born + warmup) and (name != "job" or p[0] in full)]
-        if len(pts) < 5:
-            continue
-        first, last = pts[0][0], pts[-1][0]
-        if last - first < 0.8 * (span_end - warmup):  # not alive through most of the measured span
-            continue
-        per_s, per_round = fit(pts)
-        rounds = pts[-1][1] - pts[0][1]
-        growth = per_s * (last - first)
-        # The verdict: the median of the last quarter of the span against that of the first.  Robust
-        # to what these series do besides leaking: integers that flicker with the membership (a
-        # descriptor per connected agent) and one-time steps (an allocator arena); a leak moves it by
-        # three quarters of its growth over the span.
-        q = (last - first) / 4
-        late_growth = (statistics.median(p[2] for p in pts if p[0] >= last - q)
-                       - statistics.median(p[2] for p in pts if p[0] <= first + q))
-        bound, unit = BOUNDS[metric]
-        rows.append({
-            "name": name, "metric": metric, "unit": unit, "samples": len(pts),
-            "start": statistics.median(p[2] for p in pts[: max(3, len(pts) // 10)]),
-            "end": statistics.median(p[2] for p in pts[-max(3, len(pts) // 10):]),
-            "min": min(p[2] for p in pts), "max": max(p[2] for p in pts),
-            "per_hour": per_s * 3600, "per_100_rounds": per_round * 100, "rounds": rounds,
-            "growth": growth, "late_growth": late_growth, "bound": bound, "flat": late_growth <= bound,
-        })
-    return rows
-
-
-def plot(series: dict[tuple[str, str], Series], changes: list[tuple[float, str, int]], warmup: float,
-         path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [
-        ("agent", "rss", "agents: resident memory (MiB)"), ("agent", "fds", "agents: open descriptors"),
-        ("agent", "threads", "agents: threads"), ("agent", "children", "agents: child processes"),
-        ("worker", "rss", "workers: resident memory (MiB)"), ("worker", "fds", "workers: open descriptors"),
-        ("job", "store", "rendezvous store: keys (and etcd leases)"), ("job", "shm", "job's /dev/shm (MiB, entries)"),
-    ]
-    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5), sharex=True)
-    colours = {"node_loss": "tab:red", "preemption": "tab:orange", "join": "tab:green", "worker_crash": "tab:purple"}
-    for ax, (who, metric, label) in zip(axes.flat, panels, strict=True):
-        for (name, m), s in sorted(series.items()):
-            if who == "job":
-                if metric == "store" and m in ("store_keys", "etcd_keys", "etcd_leases"):
-                    ax.plot([p[0] / 60 for p in s.points], [p[2] for p in s.points], label=m.replace("_", " "))
-                elif metric == "shm" and m.startswith("shm_"):
-                    ax.plot([p[0] / 60 for p in s.points], [p[2] for p in s.points],
-                            label="MiB" if m == "shm_bytes" else "entries")
-                continue
-            if m != metric or not name.startswith(who):
-                continue
-            ax.plot([p[0] / 60 for p in s.points], [p[2] for p in s.points], lw=1,
-                    label=name if len(s.points) * 3 > max(len(x.points) for x in series.values()) else None)
-        for t, kind, _node in changes:
-            ax.axvline(t / 60, color=colours.get(kind, "grey"), alpha=0.15, lw=0.8)
-        ax.axvspan(0, warmup / 60, color="grey", alpha=0.08)
-        ax.set_title(label, fontsize=10)
-        ax.grid(alpha=0.3)
-        handles, labels = ax.get_legend_handles_labels()
-        if handles and len(handles) <= 6:
-            ax.legend(fontsize=7, loc="best")
-    for ax in axes[1]:
-        ax.set_xlabel("minutes")
-    fig.suptitle(title + "   (vertical lines: red node loss, orange pre-emption, green join, purple worker crash; "
-                 "grey band: warm-up, not fitted)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-
-
-def render(args: argparse.Namespace, data: dict[str, Any], rows: list[dict[str, Any]], plot_path: str | None) -> str:
-    outcome, wall, loads, changes = data["outcome"], data["wall"], data["loads"], data["changes"]
-    kinds: dict[str, int] = {}
-    for _t, kind, _n in changes:
-        kinds[kind] = kinds.get(kind, 0) + 1
-    bad = [r for r in rows if not r["flat"]]
-    checks = outcome["checks"]
-    lines = [
-        f"### {args.backend}{' (plain loop)' if args.plain else ' (et.run)'}: {wall / 60:.1f} min, "
-        f"{outcome['rounds']} rounds, {len(changes)} changes",
-        "",
-        f"`{data['command']}` on {data['date']}; "
-        f"load average (1 min) median {statistics.median(loads):.1f}, max {max(loads):.1f} on "
-        f"{os.cpu_count()} CPUs (the machine was shared{' and the run held the quiet lock' if args.quiet else ''}).",
-        "",
-        f"Changes: {', '.join(f'{v} {k}' for k, v in sorted(kinds.items()))}; {outcome['steps']} committed steps, "
-        f"{outcome['restores']} restores.  End: exit codes {outcome['codes']}; invariants: "
-        + "; ".join(f"{c['name']} {'held' if c['ok'] else 'VIOLATED: ' + c['detail']}" for c in checks) + ".",
-        "",
-        f"**{len(rows) - len(bad)} of {len(rows)} series flat**: over the {rows[0]['rounds'] if rows else 0} "
-        f"rounds after the {args.warmup:g}-s warm-up, the median of the last quarter exceeds that of the first "
-        "by no more than the bound.  The least-squares slope is given too (per hour, per 100 rounds, and the "
-        "growth it predicts over the span).",
-        "",
-        "| process / job | metric | start → end (median of first / last tenth) | min-max | slope per hour | "
-        "per 100 rounds | growth: fitted / last − first quarter (bound) | flat |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['name']} | {r['metric']} ({r['unit']}) | {r['start']:.1f} → {r['end']:.1f} | "
-            f"{r['min']:.1f}-{r['max']:.1f} | {r['per_hour']:+.2f} | {r['per_100_rounds']:+.2f} | "
-            f"{r['growth']:+.2f} / {r['late_growth']:+.2f} ({r['bound']:g}) | {'yes' if r['flat'] else '**no**'} |")
-    if plot_path:
-        lines += ["", f"![soak {args.backend}]({Path(plot_path).name})"]
-    return "\n".join(lines) + "\n"
-
-
-def write_section(report: Path, backend: str, text: str) -> None:
-    """Put ``text`` between this backend's markers in ``report`` (created with a heading if missing)."""
-    begin, end = f"<!-- soak:{backend} -->", f"<!-- /soak:{backend} -->"
-    doc = report.read_text() if report.exists() else "# Soak: a long run under churn\n\n"
-    block = f"{begin}\n{text}{end}\n"
-    if begin in doc and end in doc:
-        doc = doc[: doc.index(begin)] + block + doc[doc.index(end) + len(end) + 1:]
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + block
-    report.write_text(doc)
+        if self.job.kept is not None:
+            print(f"soak: evidence kept: {self.job.kept}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -484,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pace", type=float, default=0.1, help="seconds each step sleeps (default 0.1)")
     p.add_argument("--plain", action="store_true", help="the plain training loop instead of et.run")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--stall-after", type=float, default=30.0,
+                   help="seconds without a committed step that make a stall, a failure (default 30)")
+    p.add_argument("--runs", default=None, help="markdown file whose table of runs gets this run's row")
     p.add_argument("--report", default=None, help="markdown file whose section for this backend is (re)written")
     p.add_argument("--plot", default=None, help="PNG of every series")
     p.add_argument("--json", default=None, help="every sample, as JSON")
@@ -503,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
             Path(a.json).write_text(json.dumps(data))
     series = {(x["name"], x["metric"]): Series(x["name"], x["metric"], [tuple(p) for p in x["points"]])
               for x in data["series"]}
-    span_end = max(pt[0] for s in series.values() for pt in s.points)
-    rows = analyse(series, a.warmup, span_end - 30, set(data["full"]))
+    span_end = max((pt[0] for s in series.values() for pt in s.points), default=0.0)
+    rows = analyse(series, a.warmup, span_end - 30, set(data["full"])) if series else []
     title = f"elastrun soak, {a.backend}{' plain loop' if a.plain else ' et.run'}, {data['wall'] / 60:.0f} min"
     if a.plot:
         plot(series, data["changes"], a.warmup, Path(a.plot), title)
@@ -512,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if a.report:
         write_section(Path(a.report), a.backend, text)
+    if a.runs:
+        add_run(Path(a.runs), a, data)
     ok = all(c["ok"] for c in data["outcome"]["checks"]) and all(r["flat"] for r in rows)
     return 0 if ok else 1
 
@@ -521,15 +385,34 @@ def run_soak(a: argparse.Namespace) -> dict[str, Any]:
     soak = Soak(a)
     started = time.monotonic()
     try:
-        outcome = soak.run()
+        try:
+            outcome = soak.run()
+        except (TimeoutError, RuntimeError) as exc:  # e.g. no first steps: a finding with its evidence
+            soak.job.snapshot(f"the soak could not go on: {exc}")
+            outcome = soak.verdicts(soak.job.finish(), failure=str(exc))
     finally:
         soak.close()
     return {
         "series": [{"name": s.name, "metric": s.metric, "points": s.points} for s in soak.series.values()],
         "changes": [(t - soak.t0, k, n) for t, k, n in soak.changes], "outcome": outcome,
         "full": sorted(soak.full), "loads": soak.loads, "wall": time.monotonic() - started,
+        "evidence": str(soak.job.kept) if soak.job.kept else None, "commit": _commit(),
         "command": " ".join(["bench/bench_soak.py", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d %H:%M %Z"),
     }
+
+
+def _commit() -> str:
+    """The code's commit (with ``+`` when the work tree differs from it), or ``?``."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    return (head or "?") + ("+" if dirty else "")
 
 
 if __name__ == "__main__":

@@ -400,7 +400,7 @@ class ChaosJob(FaultInjection):
     # ------------------------------------------------------------------ the end
     def finish(self) -> list[int | None]:
         """Let the job finish (remove the hold file) and wait for every agent; their exit codes."""
-        self.hold.unlink()
+        self.hold.unlink(missing_ok=True)
         live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
         deadline = time.monotonic() + self.spec.end_timeout
         for n in live:
