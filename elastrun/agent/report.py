@@ -216,6 +216,9 @@ class AgentReport:
             self.console.warn(f"  {w.line()}")
         if dumped:
             self.console.warn(f"  Python stacks of rank(s) {_ranks(dumped)} written to their stderr")
+        if reason.startswith("no first heartbeat") and self.config.crash_loop_limit:
+            self.console.warn(f"  an attempt whose workers never stepped makes no progress: it counts toward "
+                              f"--crash-loop-limit={self.config.crash_loop_limit}")
 
     # -- in-process re-forms ---------------------------------------------------------------------
     def workers_paused(self, ranks: list[int], took: float) -> None:

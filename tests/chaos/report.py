@@ -236,7 +236,15 @@ def render(results: list[RunResult], seed: int, asked: int, wall: float, command
         "failure-free run when the world size never changed, otherwise within 1e-4 (relative) of an in-process",
         "replay of the committed steps (gloo may sum the ranks' gradients in another order than the replay:",
         "the last bits differ, ~1e-7 measured); every fault and recovery in the agents' event logs (and no",
-        "restart at all for " + ", ".join(QUIET_KINDS) + "); no process left; no key left in etcd.",
+        "restart at all for " + ", ".join(QUIET_KINDS) + "); no stall: after every fault the job steps again",
+        f"within {results[0].spec.stall_after if results else 30.0:g} s, and no two step records are further apart "
+        "(the moment the harness sees a stall it takes every process's stacks); no process left; no key left in",
+        "etcd.  A job that violates any of them keeps its work directory (logs, step records, stacks, `WHY.txt`;",
+        "`tests/evidence.py`), whose path its line in the output names.  `tools/chaos.py --until-failure` runs",
+        "jobs with new seeds until one fails.",
         "",
     ]
+    kept_dirs = [f"- {r.spec.name}: `{r.evidence}`" for r in results if r.evidence is not None]
+    if kept_dirs:
+        out += ["Evidence kept:", "", *kept_dirs, ""]
     return "\n".join(out)
