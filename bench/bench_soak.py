@@ -402,17 +402,21 @@ def run_soak(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _commit() -> str:
-    """The code's commit (with ``+`` when the work tree differs from it), or ``?``."""
+    """The code's commit (with ``+`` when the work tree differs from it); for a copy of the code that is
+    no git checkout (``git archive``, so that a long soak runs code that does not change under it),
+    ``$SOAK_CODE``, else ``?``."""
     import subprocess
 
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
+                              timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "?"
-    return (head or "?") + ("+" if dirty else "")
+        return os.environ.get("SOAK_CODE", "?")
+    if head.returncode != 0 or not head.stdout.strip():
+        return os.environ.get("SOAK_CODE", "?")
+    return head.stdout.strip() + ("+" if dirty else "")
 
 
 if __name__ == "__main__":
