@@ -107,6 +107,11 @@ def format_breakdown(gp: Goodput) -> str:
         lines.append("  ".join([r[0].ljust(widths[0])] + [r[i].rjust(widths[i]) for i in range(1, 5)]).rstrip())
     if gp.restore_sources:
         lines.append("restores: " + ", ".join(f"{s} {v:.1f} worker-s" for s, v in sorted(gp.restore_sources.items())))
+    if gp.snapshots is not None:
+        every, step_s, cost_s = gp.snapshots
+        share = f" = {cost_s / every / step_s * 100:.1f} % of a {step_s * 1e3:.1f} ms step" if step_s > 0 else ""
+        lines.append(f"snapshots: every {every} step(s), chosen from their cost on the GPU ({cost_s * 1e3:.1f} ms "
+                     f"each{share})")
     lines.append("")
     if not gp.faults:
         lines.append("faults: none")

@@ -35,6 +35,7 @@ from elastrun.train.snapshot import MemorySnapshots, SlotInfo, parse_meta
 if TYPE_CHECKING:
     from elastrun.observe.steplog import StepLog
     from elastrun.train.background import BackgroundJob
+    from elastrun.train.pipeline import SnapshotPipeline
     from elastrun.train.sampler import ElasticSampler
 
 @dataclass
@@ -68,6 +69,7 @@ class Restorer:
     _dirty: bool
     _sharded: Any
     _persister: BackgroundJob
+    _pipe: SnapshotPipeline
     _steplog: StepLog
     _abandon: threading.Event
     _landed: bool  # a transfer of this restore has written into the model's own tensors
@@ -206,13 +208,26 @@ class Restorer:
         copy_into(flat, data)
         return header, data
 
-    def _landing(self, header: dict[str, Any]) -> dict[int, torch.Tensor]:
+    def _landing(self, header: dict[str, Any], device: bool = False) -> dict[int, torch.Tensor]:
         """The entries of ``header`` that can land straight in the model's own parameters and
-        buffers (their pages are already touched: no fresh memory, no second copy)."""
+        buffers (their pages are already touched: no fresh memory, no second copy); on a GPU too
+        with ``device`` (``gpu/load.py``)."""
         module = self._module()
         if module is None:
             return {}
-        return landing(header, "model", module.state_dict())
+        return landing(header, "model", module.state_dict(), device)
+
+    def _materializer(self, header: dict[str, Any], source: Any) -> Any:
+        """A function building the state tree of ``header`` from ``source`` (a slot file's path or a
+        host buffer): for a GPU state, straight onto the GPU at the card's speed (``gpu/load.py``)."""
+        dev = self._pipe.device
+        if dev is None or "devices" not in header:
+            data = self._mem.read_path(source, header) if not isinstance(source, torch.Tensor) else source
+            return lambda: materialize(header, data, self._landing(header))
+        from elastrun.train.gpu import load
+
+        where = torch.device("cuda", getattr(dev, "index", torch.cuda.current_device()))
+        return lambda: load.materialize(header, source, self._landing(header, device=True), where)
 
     def _fetch(self, plan: Plan, slots: dict[int, SlotInfo], disk: dict[int, DiskCandidate],
                reports: list[Report], excluded: set[tuple]) -> tuple[Any, tuple | None]:  # fmt: skip
@@ -233,9 +248,8 @@ class Restorer:
                 return USE_LIVE, None
             try:
                 info = slots[plan.step]
-                data = self._mem.read(info)
-                check(info.header, data)
-                return lambda: materialize(info.header, data, self._landing(info.header)), None
+                check(info.header)
+                return self._materializer(info.header, self._mem.data_file(info)), None
             except (OSError, ValueError, KeyError) as e:
                 notes.warn(f"memory snapshot of step {plan.step} unreadable on rank {self._rank}: {e}", stacklevel=3)
                 return None, ("mem", self._rank, plan.step)
@@ -306,7 +320,7 @@ class Restorer:
             self.last_transfer = {"via": "group", "bytes": header["nbytes"], "seconds": time.perf_counter() - began}
         if live:
             return USE_LIVE, None  # this rank's own objects already hold the step
-        return lambda: materialize(header, data, self._landing(header)), None
+        return self._materializer(header, data), None
 
     def _restore_rng(self, plan: Plan, disk: dict[int, DiskCandidate]) -> None:
         """Gather each rank's RNG state from whoever holds it, then apply (or derive) it."""

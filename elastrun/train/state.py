@@ -2,12 +2,11 @@
 
 ``commit()`` on the training thread advances the sampler, captures this rank's RNG states (a few
 kB written to the node's snapshot directory) and, on local rank 0 (every ``snapshot_every``
-commits), starts copying the replicated state (model parameters and buffers, optimizer state,
-sampler position, extras) into a memory snapshot slot on a helper thread.  Parameters and
-optimizer state only change inside ``optimizer.step()``, so the copy overlaps the next step's
-forward and backward; a pre-hook on the optimizer waits for the copy before the parameters change.
-Every other tensor (buffers such as BatchNorm statistics, extras) is cloned on the training thread
-because forward may change it.
+commits: by default every one for a state in host memory, and spaced by what they cost for one on
+a GPU, see ``spacing.py``), hands the replicated state (model parameters and buffers, optimizer
+state, sampler position, extras) to the snapshot pipeline (``pipeline.py``), which copies it into a
+memory snapshot slot while the next step's forward and backward run: parameters and optimizer
+state only change inside ``optimizer.step()``, whose pre-hook waits for the copy first.
 
 Every ``checkpoint_every`` commits the slot is also written to ``checkpoint_dir`` by rank 0 on a
 second helper thread while every rank writes its RNG file there (see ``checkpoint.py``).
@@ -26,7 +25,6 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +35,13 @@ from elastrun.observe import steplog
 from elastrun.train import dist as edist
 from elastrun.train import notes, reform, rng, sharded, snapdir
 from elastrun.train.background import BackgroundJob
-from elastrun.train.blob import Flattened, copy_into, flatten, make_header
+from elastrun.train.blob import flatten, make_header
 from elastrun.train.checkpoint import CheckpointDir
-from elastrun.train.copier import SnapshotCopy
+from elastrun.train.pipeline import SnapshotPipeline
 from elastrun.train.reformable import Reformable
 from elastrun.train.restore import Live, Restorer
 from elastrun.train.sampler import ElasticSampler
-from elastrun.train.snapshot import RNG_KEEP, MemorySnapshots
+from elastrun.train.snapshot import RNG_KEEP, MemorySnapshots, slots_needed
 
 _RESERVED = {"step", "commit", "restore", "checkpoint", "flush", "close", "extras", "preempted", "last_restore",
              "live_step", "rebind", "restored_from", "last_transfer", "attach", "load_dcp", "copied_step"}
@@ -66,9 +64,11 @@ class State(Restorer, Reformable):
     picklable values, readable and writable as attributes (``state.best_loss = 0.1``).  Model,
     optimizer, sampler and extras must be the same on every rank (data parallelism); RNG states
     are saved per rank.  ``checkpoint_every`` commits (0: never) a durable checkpoint goes to
-    ``checkpoint_dir``, keeping the newest ``keep``.  ``snapshot_every`` (default 1) copies the
-    replicated state to node memory every that many commits only: 1/k of the copy's cost, but a
-    crash may then redo up to k-1 steps (checkpoint steps and pre-emption are always snapshotted).
+    ``checkpoint_dir``, keeping the newest ``keep``.  ``snapshot_every=k`` copies the state to node
+    memory every k commits only: 1/k of the copy's cost, but a crash may then redo up to k-1 steps
+    (checkpoint steps and pre-emption are always snapshotted).  By default (None) k is 1 for a state
+    in host memory, and for a state on a GPU the smallest k that keeps snapshots within 5 % of the
+    training time, from their measured cost (``spacing.py``; said once on the console).
     ``snapshot_dir`` overrides the node-local memory directory (default: ``ELASTRUN_SNAPSHOT_DIR``
     from the elastrun agent).
     ``async_snapshot=False`` copies on the training thread (for code that changes parameters
@@ -85,7 +85,7 @@ class State(Restorer, Reformable):
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int = 0,
         keep: int = 3,
-        snapshot_every: int = 1,
+        snapshot_every: int | None = None,
         snapshot_dir: str | Path | None = None,
         async_snapshot: bool = True,
         handle_signals: bool = True,
@@ -99,8 +99,8 @@ class State(Restorer, Reformable):
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
         if copies < 1:
             raise ValueError(f"copies must be >= 1 (1: no copies in other nodes' memory), got {copies}")
-        if snapshot_every < 1:
-            raise ValueError(f"snapshot_every must be >= 1 (1: every commit), got {snapshot_every}")
+        if snapshot_every is not None and snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be >= 1 (1: every commit; None: chosen), got {snapshot_every}")
         if checkpoint_every and checkpoint_dir is None:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
         if sampler is not None and not hasattr(sampler, "advance"):
@@ -115,18 +115,19 @@ class State(Restorer, Reformable):
             raise RuntimeError("elastrun.train expects global rank 0 to be local rank 0 of its node")
         self._writes_shared = self._local_rank == 0
         self._every = checkpoint_every
-        self._snapshot_every = snapshot_every
         self._copies = copies
         self._ckpt = CheckpointDir(checkpoint_dir, keep) if checkpoint_dir is not None else None
         snap_dir, self._owns_snap_dir = snapdir.snapshot_dir(snapshot_dir)
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
         self._mem = MemorySnapshots(snap_dir, run_id)
+        self._mem.count = slots_needed(checkpoints=self._ckpt is not None)
+        #: The snapshot pipeline of this rank (commit -> copy -> publish -> persist), both kinds of state.
+        self._pipe = SnapshotPipeline(snapshot_every)
+        self._pipe.use(self._device_tensors(model, optimizer))
         #: Issue 24: the sharded half (elastrun/train/sharded/) when the model has DTensor parameters.
         self._sharded = sharded.part_of(self, model, optimizer)
         self._async = async_snapshot and optimizer is not None
         self._async_snapshot = async_snapshot
-        self._writer = BackgroundJob("elastrun-snapshot")
-        self._copy: SnapshotCopy | None = None  # the running background copy, if any
         self._persister = BackgroundJob("elastrun-checkpoint")
         #: Set while a restore waits for the persister: a manifest still waiting for a rank's file
         #: gives up (that rank may be gone; its step stays incomplete) instead of stalling it 120 s.
@@ -147,6 +148,7 @@ class State(Restorer, Reformable):
         self.last_transfer: dict[str, Any] | None = None
         self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) if optimizer else None
         self._steplog = steplog.writer()  # when each step ran and was committed, for goodput
+        self._pipe.on_spacing = lambda every, line: self._steplog.spacing(every, self._pipe.meter)
         if handle_signals:
             self._install_signal_handler()
         atexit.register(self.close)
@@ -230,25 +232,25 @@ class State(Restorer, Reformable):
     # -- commit --------------------------------------------------------------------------------
     def _before_optimizer_step(self, *_: Any) -> None:
         with reform.section():
-            self._finish_copy()  # the parameters are about to change: the snapshot must hold the old ones
+            self._pipe.before_step()  # the parameters are about to change: the snapshot must hold the old ones
         self._dirty = True
 
     def rebind(self) -> None:
         """Take the rank and world size of the new process group (after a re-form)."""
         self._rank, self._world_size, self._local_rank = _world()
+        self._pipe.reset()
 
-    def _finish_copy(self) -> None:
-        """Complete the running snapshot copy, helping it on this thread (see ``copier.py``)."""
-        copy, self._copy = self._copy, None
-        if copy is not None:
-            copy.finish()
-            if copy.device_indices:  # GPU tensors are copied by the writer job itself
-                self._writer.wait()
+    @staticmethod
+    def _device_tensors(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+        """A few of the state's tensors: where they live decides how snapshots are copied."""
+        out: list[torch.Tensor] = list(model.parameters())[:1] if model is not None else []
+        if optimizer is not None:
+            out += [p for g in optimizer.param_groups for p in g["params"]][:1]
+        return out
 
     def _drain(self) -> None:
         """Wait until the last snapshot is copied and published."""
-        self._finish_copy()
-        self._writer.wait()
+        self._pipe.drain()
 
     def commit(self) -> None:
         """Record that one training step is complete (call once per batch, after optimizer.step()).
@@ -262,21 +264,28 @@ class State(Restorer, Reformable):
             self._steplog.step(self.step, entered)  # inside: a re-form raised on leaving must not lose it
 
     def _commit(self) -> None:
-        self._drain()
+        pipe = self._pipe
+        pipe.settle()
         if self._sampler is not None:
             self._sampler.advance()
         self.step += 1
         heartbeat()  # progress for the agent's hang and crash-loop detection
+        pipe.mark_step()
         copying = self._sharded is not None and self._sharded.copies.busy()
-        stop, copying = edist.any_flags((self.preempted, copying), self._flag_scratch)
+        unready, every = pipe.propose()
+        stop, copying, unready, every = edist.maxima((self.preempted, copying, unready, every), self._flag_scratch)
+        stop, copying, unready = bool(stop), bool(copying), bool(unready)
         rng_state = rng.capture()
-        self._mem.write_rng(self._rank, self.step, rng_state)
+        self._mem.write_rng(self._rank, self.step, rng_state, keep=pipe.kept)
         if self._writes_shared and self.step % 100 == 0:
-            self._mem.prune_rng(self.step - 2 * RNG_KEEP)
+            self._mem.prune_rng(min(self.step - 2 * RNG_KEEP, *pipe.kept))
         durable = self._ckpt is not None and (stop or (self._every > 0 and self.step % self._every == 0))
+        snap = pipe.due(self.step, every, unready)
+        if durable or stop:
+            pipe.decided(self.step)
         if self._sharded is not None:  # issue 24: every rank snapshots and persists its own shard
-            self._sharded.commit(durable, stop, self._async, copy_step=not copying)
-        elif self._writes_shared and (durable or self.step % self._snapshot_every == 0):
+            self._sharded.commit(durable, stop, snap, self._async, copy_step=not copying)
+        elif self._writes_shared and (durable or stop or snap):
             self._snapshot(durable and self._rank == 0, stop, self._async)
         if durable and self._rank != 0 and self._sharded is None:
             assert self._ckpt is not None
@@ -290,7 +299,7 @@ class State(Restorer, Reformable):
         self._remember_live(rng_state)
 
     def _snapshot(self, persist: bool, stop: bool, background: bool) -> None:
-        """Copy the replicated state of ``self.step`` into a memory slot (and queue its checkpoint).
+        """Hand the replicated state of ``self.step`` to the pipeline (and queue its checkpoint).
 
         In the background, parameters and optimizer state are copied straight from where they
         live while the next step's forward and backward run (only ``optimizer.step()`` changes
@@ -303,56 +312,8 @@ class State(Restorer, Reformable):
             if persist:
                 self._persist(slot, header, must=stop)
 
-        self._write_slot(self._mem, flat, header, self._stable_ptrs() if background else None, published)
-
-    def _write_slot(
-        self,
-        mem: MemorySnapshots,
-        flat: Flattened,
-        header: dict[str, Any],
-        stable: set[int] | None,
-        published: Callable[[int, int], None],
-        failed: Callable[[], None] = lambda: None,
-    ) -> None:
-        """Copy ``flat`` into a free slot of ``mem`` and publish it with ``header``, then call
-        ``published(slot, meta CRC)``; ``failed()`` if the copy fails.  The snapshot pipeline of the
-        replicated and the sharded states alike.
-
-        ``stable`` (the addresses of parameters and optimizer state) is given for a copy in the
-        background: those tensors are copied straight from where they live, on the snapshot writer,
-        while the next step's forward and backward run (only ``optimizer.step()`` changes them, and
-        its pre-hook completes the copy first); every other tensor is cloned now.  ``None``: the
-        copy is made now, on this thread.
-        """
-        if stable is not None:
-            for i, t in enumerate(flat.tensors):
-                if t.numel() and not (t.data_ptr() in stable and t.is_contiguous()):
-                    flat.tensors[i] = t.clone()  # forward may change it before the copy runs
-        slot, buf, view = mem.begin(flat.nbytes)
-        copy = SnapshotCopy(flat, buf) if stable is not None else None
-
-        def complete() -> None:
-            nonlocal buf
-            try:
-                if copy is None:
-                    copy_into(flat, buf)
-                else:
-                    if copy.device_indices:
-                        copy_into(flat, buf, copy.device_indices)
-                    copy.wait()
-            except BaseException:
-                failed()
-                raise
-            del buf
-            view.release()
-            published(slot, mem.publish(slot, header))
-
-        if copy is None:
-            complete()
-            return
-        copy.start()
-        self._copy = copy
-        self._writer.submit(complete)
+        self._pipe.write(self._mem, flat, header, self._stable_ptrs() if background else None, published,
+                         force=persist or stop)  # fmt: skip
 
     def _persist_skipped(self, step: int, must: bool, stacklevel: int) -> bool:
         """Whether the checkpoint of ``step`` is skipped: the previous one is still being written and
@@ -427,6 +388,7 @@ class State(Restorer, Reformable):
             self._model, self._optimizer = model, optimizer
             self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) if optimizer else None
             self._async = self._async_snapshot and optimizer is not None
+            self._pipe.use(self._device_tensors(model, optimizer))
             if self._sharded is not None:
                 self._sharded.close()
             self._sharded = sharded.part_of(self, model, optimizer)
@@ -467,10 +429,10 @@ class State(Restorer, Reformable):
     def close(self) -> None:
         """Let background writes finish (bounded) and release resources; called at exit too."""
         try:
-            self._finish_copy()
+            self._pipe.before_step()
         except RuntimeError as e:
             notes.warn(str(e), stacklevel=2)
-        for job in (self._writer, self._persister):
+        for job in (self._pipe, self._persister):
             try:
                 job.wait(timeout=120)
             except RuntimeError as e:

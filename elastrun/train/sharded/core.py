@@ -4,8 +4,9 @@ Under DDP one copy of the replicated state per node is enough; here every rank h
 part, so every rank snapshots, persists and restores its own shard:
 
 * ``commit()``: the rank's chunks (parameters, optimizer state, buffers) are copied into its slot
-  in node memory (``slots.py``) by the same idle-priority copy as DDP's, overlapping the next step;
-  the optimizer pre-hook completes it before ``optimizer.step()`` changes them.  Every
+  in node memory (``slots.py``) by the same snapshot pipeline as DDP's (``pipeline.py``: in host
+  memory the idle-priority copy, on a GPU the side-stream copy), overlapping the next step; the
+  optimizer pre-hook completes it before ``optimizer.step()`` changes them.  Every
   ``checkpoint_every`` commits the slot is also written as this rank's part of a DCP checkpoint
   (``durable.py``), in the background.
 * ``restore()``: one ``all_gather`` of what each node holds (``plan.py``), then either every rank
@@ -35,7 +36,7 @@ from elastrun.train import notes, reform, snapclient
 from elastrun.train.blob import Entry as BlobEntry
 from elastrun.train.blob import Flattened
 from elastrun.train.checkpoint import DiskCandidate
-from elastrun.train.sharded import durable, reserve, slots
+from elastrun.train.sharded import durable, slots
 from elastrun.train.sharded.copies import Copies
 from elastrun.train.sharded.layout import (
     Entry,
@@ -54,7 +55,6 @@ from elastrun.train.sharded.layout import (
 )
 from elastrun.train.sharded.plan import ShardPlan, ShardReport, lost, make_plan
 from elastrun.train.sharded.reader import entries_of, open_step
-from elastrun.train.snapshot import SLOTS
 
 if TYPE_CHECKING:
     from elastrun.train.state import State
@@ -115,13 +115,13 @@ class ShardedState:
         if self._slots is None or self._slots.rank != self.st._rank:
             self.close()
             self._slots = slots.ShardSlots(self.st._mem.dir, self.st._mem.run_id, self.st._rank)
+            self._slots.count = self.st._mem.count
         return self._slots
 
     def _reserve(self, nbytes: int) -> None:
-        """Allocate this rank's slot files in the background (``reserve.py``): a shard that is new
-        or bigger would otherwise fault its pages in, one by one, inside its first commits."""
-        mem = self.slots()
-        reserve.reserve([mem._data_path(s) for s in range(SLOTS)], nbytes)
+        """Make this rank's slots ready in the background (``slotmem.py``): a shard that is new or
+        bigger would otherwise fault its pages in, one by one, inside its first commits."""
+        self.slots().prepare(nbytes, self.st._pipe.device)
 
     def _shard_bytes(self) -> int:
         """The size of this rank's next snapshot file (its chunks of the model and optimizer state)."""
@@ -161,16 +161,16 @@ class ShardedState:
         return ptrs
 
     # -- commit ----------------------------------------------------------------------------------
-    def commit(self, durable_step: bool, stop: bool, background: bool, copy_step: bool = False) -> None:
-        """``State.commit()``'s snapshot part, on every rank; ``copy_step``: no rank's last copy to
-        another node is still going (all-reduced), so this step's snapshot is copied."""
-        st = self.st
+    def commit(self, durable_step: bool, stop: bool, due: bool, background: bool, copy_step: bool = False) -> None:
+        """``State.commit()``'s snapshot part, on every rank (``due``: the pipeline's agreed spacing
+        says this step is snapshotted); ``copy_step``: no rank's last copy to another node is still
+        going (all-reduced), so this step's snapshot is copied."""
         if self.stale:
             raise RuntimeError(
                 "State: the sharded model was built on the process group before the last re-form; under "
                 "et.run build and shard it inside fn and hand it over with state.attach(model, optimizer)"
             )
-        if durable_step or st.step % st._snapshot_every == 0:
+        if durable_step or stop or due:
             self.snapshot(durable_step, stop, background, copy_step)
 
     def snapshot(self, persist: bool, stop: bool, background: bool, copy_step: bool = False) -> None:
@@ -203,11 +203,14 @@ class ShardedState:
 
         failed = self.copies.cancel if marked else (lambda: None)  # a marked step's request will not come
         try:
-            st._write_slot(mem, flat, header, self._stable if background else None, published, failed)
+            written = st._pipe.write(mem, flat, header, self._stable if background else None, published, failed,
+                                     force=persist or stop)  # fmt: skip
         except BaseException:  # before the copy began (no slot): the same
             if marked:
                 self.copies.cancel()
             raise
+        if not written and marked:  # put off (no slot ready yet): no request comes for this step
+            self.copies.cancel()
 
     def _persist(self, slot: int, header: dict[str, Any], must: bool) -> None:
         """Queue this rank's part of the DCP checkpoint of a just-published slot."""
