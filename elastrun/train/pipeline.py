@@ -77,6 +77,10 @@ class SnapshotPipeline:
         #: Called with the spacing line whenever it changes (the step log records it for goodput).
         self.on_spacing: Callable[[int, str], None] | None = None
         self.deferred = 0  # snapshots put off: no slot ready yet, or the last copy still in flight
+        #: Processes of this node writing slots like these (for the room check): 1 for a replicated
+        #: state (local rank 0), every local rank for a sharded one.
+        self.writers = 1
+        self._checked: dict[int, int] = {}  # id(slots) -> the largest size whose room was checked
 
     # -- where the state lives -------------------------------------------------------------
     def use(self, tensors: list[torch.Tensor]) -> None:
@@ -162,6 +166,9 @@ class SnapshotPipeline:
         ``force`` (a checkpoint, a pre-emption) and an explicit ``snapshot_every`` wait for one (the
         first commits only).  A snapshot due while the last one's copy is in flight waits for it
         (at the default spacing one never is: :meth:`propose` says the pipeline is not ready)."""
+        if flat.nbytes > self._checked.get(id(mem), 0):
+            mem.check_room(flat.nbytes, self.writers)
+            self._checked[id(mem)] = flat.nbytes
         self._mem, self._nbytes = mem, flat.nbytes
         dev = self.device
         if dev is None or stable is None:

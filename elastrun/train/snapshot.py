@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from elastrun.peer.replicas import META_MAGIC, meta_crc
@@ -183,6 +184,27 @@ class MemorySnapshots:
             self._preparer = thread
         thread.start()
         return thread
+
+    def check_room(self, nbytes: int, writers: int = 1) -> None:
+        """Refuse, with one clear line, slots this node's memory cannot hold: ``writers`` processes of
+        the node each writing ``count`` slots of ``nbytes`` (what their files already hold counts as
+        room).  Raised at the first snapshot of a size, never as an out-of-memory kill (or a SIGBUS
+        on a full ``/dev/shm``) in the middle of a run."""
+        need = writers * self.count * nbytes
+        have = sum(allocated(self._data_path(s)) for s in range(SLOTS)) * writers
+        try:
+            st = os.statvfs(self.dir)
+            free_fs = st.f_bavail * st.f_frsize + have
+        except OSError:
+            return
+        free_mem = psutil.virtual_memory().available + have
+        if need <= min(free_fs, free_mem):
+            return
+        raise RuntimeError(
+            f"elastrun.train: this node cannot hold the memory snapshots: {writers} writer(s) x {self.count} slots x "
+            f"{nbytes / 1e9:.2f} GB = {need / 1e9:.1f} GB, but {self.dir} has {free_fs / 1e9:.1f} GB free and the host "
+            f"{free_mem / 1e9:.1f} GB available; give the node more memory or its /dev/shm more room (docker: "
+            "--shm-size), or set snapshot_dir (ELASTRUN_SNAPSHOT_DIR) to a larger memory file system")
 
     def wait_ready(self, nbytes: int, timeout: float = 300.0) -> bool:
         """Wait (bounded) until a slot is ready for ``nbytes`` or no slot is being made any more;

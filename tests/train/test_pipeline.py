@@ -229,3 +229,18 @@ def test_while_slots_are_being_made_a_snapshot_never_overwrites_the_newest_compl
     _run_all(dev)
     pipe.drain()
     assert sorted(i.step for i in mem.scan()) == [1, 3]
+
+
+def test_slots_the_node_cannot_hold_are_refused_with_one_clear_line(tmp_path):
+    """At the first snapshot of a size: a clear error naming what is needed and what there is, instead
+    of an out-of-memory kill (or a SIGBUS on a full /dev/shm) in the middle of a run."""
+    mem = MemorySnapshots(tmp_path, "job")
+    mem.count = 3
+    mem.check_room(1 << 20)  # a megabyte fits
+    import os
+
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    with pytest.raises(RuntimeError, match=r"cannot hold the memory snapshots: 8 writer\(s\) x 3 slots") as e:
+        mem.check_room(free, writers=8)
+    assert "--shm-size" in str(e.value) and "snapshot_dir" in str(e.value)
+    assert not list(tmp_path.glob("shared.*.data")), "nothing was allocated"

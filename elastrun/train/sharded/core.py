@@ -103,6 +103,7 @@ class ShardedState:
         self.attached = False
         #: Copies of the committed shards in other nodes' memory (configured by each restore).
         self.copies = Copies(state._copies)
+        state._pipe.writers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # every local rank writes its shard
         self._twins: tuple[int, ...] = (state._rank,)
         #: After a restore: old rank -> where this rank read its shard from (``memory``, ``replica``,
         #: ``peer``, ``peer replica``, ``disk``), and the bytes and seconds of what came from peers.
