@@ -18,11 +18,12 @@ change.  How it copies depends on where the tensors live:
   a copy it must wait for is still running: at most one snapshot's copy is in flight, and by default
   snapshots are spaced so that one never is when the next is due.
 
-Usage (``state.py``)::
+Usage (``state.py`` and the parts, ``replicated.py`` and ``sharded/shards.py``)::
 
     pipe.settle()                              # commit(): the last snapshot's failure, if any
     unready, every = pipe.propose()            # all-reduced (max) with the other ranks
     if pipe.due(step, every, unready): pipe.write(mem, flat, header, stable, published)
+    pipe.persist(step, must, write)            # in ``published``: a durable checkpoint of the slot
     pipe.before_step()                         # optimizer pre-hook
     pipe.drain()                               # restore, checkpoint, flush, close
 """
@@ -59,6 +60,9 @@ class SnapshotPipeline:
         self.explicit = every
         self.device: Device | None = None
         self._writer = BackgroundJob("elastrun-snapshot")
+        #: Writes durable checkpoints of published slots, one at a time (:meth:`persist`).
+        self.persister = BackgroundJob("elastrun-checkpoint")
+        self._skipped_warned = False
         self._copy: SnapshotCopy | None = None  # the host copy in flight
         self._device_copy: DeviceCopy | None = None  # the device copy in flight (guarded or not)
         self._guarded = False
@@ -278,6 +282,20 @@ class SnapshotPipeline:
             self._unpinned = why
             notes.warn(f"snapshot slots are not page-locked ({why}): a snapshot copies from the GPU at pageable "
                        "speed (about a fifth: 11 against 55 GB/s on an H100), on a helper thread", stacklevel=2)
+
+    # -- persist ------------------------------------------------------------------------------
+    def persist(self, step: int, must: bool, write: Callable[[], None]) -> bool:
+        """Queue ``write`` (a durable checkpoint of ``step`` from its published slot) on the persister
+        thread; skipped (False) while the previous checkpoint is still being written, unless ``must``
+        (a pre-emption): said once per pipeline."""
+        if self.persister.busy() and not must:
+            if not self._skipped_warned:
+                self._skipped_warned = True
+                notes.warn(f"checkpoint of step {step} skipped: the previous one is still being written "
+                           "(raise checkpoint_every); this warning is shown once", stacklevel=4)  # fmt: skip
+            return False
+        self.persister.submit(write)
+        return True
 
     # -- around optimizer.step() and at the ends -------------------------------------------
     def before_step(self) -> None:

@@ -1,4 +1,4 @@
-"""What ``State`` does differently for a sharded model (FSDP2: DTensor parameters).
+"""The sharded state (FSDP2: DTensor parameters): the :class:`~elastrun.train.part.Part` for a sharded model.
 
 Under DDP one copy of the replicated state per node is enough; here every rank holds a different
 part, so every rank snapshots, persists and restores its own shard:
@@ -15,6 +15,9 @@ part, so every rank snapshots, persists and restores its own shard:
   planner: ``reader.py``), or all load the step's DCP checkpoint from disk.
 * copies in other nodes' memory: at copy steps (decided together at the commit), each rank asks its
   agent to copy its published slot to the next node (``copies.py``).
+
+It works through the ``Core`` and ``Objects`` that ``State`` hands it (``part.py``), as the replicated
+state does, and the one restore loop (``restore.py``) drives its restore.
 """
 
 from __future__ import annotations
@@ -23,8 +26,7 @@ import dataclasses
 import os
 import pickle
 import socket
-import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -36,6 +38,7 @@ from elastrun.train import notes, reform, snapclient
 from elastrun.train.blob import Entry as BlobEntry
 from elastrun.train.blob import Flattened
 from elastrun.train.checkpoint import DiskCandidate
+from elastrun.train.part import Core, Loaded, Objects, Part
 from elastrun.train.sharded import durable, slots
 from elastrun.train.sharded.copies import Copies
 from elastrun.train.sharded.layout import (
@@ -56,9 +59,6 @@ from elastrun.train.sharded.layout import (
 from elastrun.train.sharded.plan import ShardPlan, ShardReport, lost, make_plan
 from elastrun.train.sharded.reader import entries_of, open_step
 
-if TYPE_CHECKING:
-    from elastrun.train.state import State
-
 FORMAT = "elastrun-shard/1"
 #: Stale snapshots (of another world size) are looked for every this many commits.
 PRUNE_EVERY = 50
@@ -74,13 +74,13 @@ class _Spec:
     device: str
 
 
-class ShardedState:
-    """The sharded half of a ``State`` (created by it when the model has DTensor parameters)."""
+class ShardedPart(Part):
+    """The sharded state (FSDP2): made by ``State`` when the model has DTensor parameters."""
 
-    def __init__(self, state: State) -> None:
-        self.st = state
-        self.module = unwrap(state._model)
-        self.optimizer = state._optimizer
+    def __init__(self, core: Core, objects: Objects) -> None:
+        super().__init__(core, objects)
+        self.module = unwrap(objects.model)
+        self.optimizer = objects.optimizer
         if self.optimizer is not None and self.module is None:
             raise Unsupported("a sharded optimizer needs its model: pass model= to State too")
         self.names = param_names(self.module, self.optimizer) if self.optimizer is not None else []
@@ -90,10 +90,7 @@ class ShardedState:
         #: tuples for the header, and the storage only ``optimizer.step()`` changes.
         self._entries: list[tuple] = []
         self._stable: set[int] = set()
-        #: Set while a restore waits for the background writes: a checkpoint still waiting for the
-        #: parts of other ranks gives up (after a node loss they never come).
-        self._restoring = threading.Event()
-        st = os.stat(state._mem.dir)
+        st = os.stat(core.mem.dir)
         self.node = f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"
         #: The worker group the model was sharded on; after an in-process re-form (``et.run``) the
         #: model is bound to a destroyed group and must be built again (``State.attach``).
@@ -102,27 +99,24 @@ class ShardedState:
         #: Whether the model came through ``State.attach`` (the et.run shape), not ``State(model=...)``.
         self.attached = False
         #: Copies of the committed shards in other nodes' memory (configured by each restore).
-        self.copies = Copies(state._copies)
-        state._pipe.writers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # every local rank writes its shard
-        self._twins: tuple[int, ...] = (state._rank,)
-        #: After a restore: old rank -> where this rank read its shard from (``memory``, ``replica``,
-        #: ``peer``, ``peer replica``, ``disk``), and the bytes and seconds of what came from peers.
-        self.sources: dict[int, str] = {}
-        self.transfer: dict[str, Any] | None = None
+        self.copies = Copies(core.copies)
+        core.pipe.writers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # every local rank writes its shard
+        self._twins: tuple[int, ...] = (core.rank,)
 
     # -- what is saved ------------------------------------------------------------------------
     def slots(self) -> slots.ShardSlots:
         """This rank's slots (made again when the rank changed, or after a restore)."""
-        if self._slots is None or self._slots.rank != self.st._rank:
+        core = self.core
+        if self._slots is None or self._slots.rank != core.rank:
             self.close()
-            self._slots = slots.ShardSlots(self.st._mem.dir, self.st._mem.run_id, self.st._rank)
-            self._slots.count = self.st._mem.count
+            self._slots = slots.ShardSlots(core.mem.dir, core.mem.run_id, core.rank)
+            self._slots.count = core.mem.count
         return self._slots
 
     def _reserve(self, nbytes: int) -> None:
         """Make this rank's slots ready in the background (``slotmem.py``): a shard that is new or
         bigger would otherwise fault its pages in, one by one, inside its first commits."""
-        self.slots().prepare(nbytes, self.st._pipe.device)
+        self.slots().prepare(nbytes, self.core.pipe.device)
 
     def _shard_bytes(self) -> int:
         """The size of this rank's next snapshot file (its chunks of the model and optimizer state)."""
@@ -137,14 +131,14 @@ class ShardedState:
 
     def tree(self) -> dict[str, Any]:
         """The state as DCP names it: ``model.<fqn>``, ``optimizer.state.<fqn>.<name>``, ..."""
-        st = self.st
+        o = self.objects
         return {
             "model": self.module.state_dict(keep_vars=True) if self.module is not None else {},
             "optimizer": optimizer_tree(self.optimizer, self.names) if self.optimizer is not None else {},
             "elastrun": {
-                "step": st.step,
-                "sampler": st._sampler.state_dict() if st._sampler is not None else None,
-                "extras": st._tree_extras(),
+                "step": o.step,
+                "sampler": o.sampler.state_dict() if o.sampler is not None else None,
+                "extras": o.tree_extras(),
             },
         }
 
@@ -162,36 +156,38 @@ class ShardedState:
         return ptrs
 
     # -- commit ----------------------------------------------------------------------------------
-    def commit(self, durable_step: bool, stop: bool, due: bool, background: bool, copy_step: bool = False) -> None:
-        """``State.commit()``'s snapshot part, on every rank (``due``: the pipeline's agreed spacing
-        says this step is snapshotted); ``copy_step``: no rank's last copy to another node is still
-        going (all-reduced), so this step's snapshot is copied."""
+    def copying(self) -> bool:
+        return self.copies.busy()
+
+    def commit(self, durable: bool, stop: bool, due: bool, background: bool, copy_step: bool) -> None:
+        """Every rank snapshots and persists its own shard; ``copy_step``: no rank's last copy to
+        another node is still going (all-reduced), so this step's snapshot is copied."""
         if self.stale:
             raise RuntimeError(
                 "State: the sharded model was built on the process group before the last re-form; under "
                 "et.run build and shard it inside fn and hand it over with state.attach(model, optimizer)"
             )
-        if durable_step or stop or due:
-            self.snapshot(durable_step, stop, background, copy_step)
+        if durable or stop or due:
+            self.snapshot(durable, stop, background, copy_step)
 
     def snapshot(self, persist: bool, stop: bool, background: bool, copy_step: bool = False) -> None:
-        """Copy this rank's shard of ``State.step`` into a memory slot (and queue its checkpoint)."""
-        st = self.st
+        """Copy this rank's shard of ``objects.step`` into a memory slot (and queue its checkpoint)."""
+        core, step = self.core, self.objects.step
         skeleton, tensors = split(self.tree())
         entries, locals_, nbytes, changed = self._layout(tensors)
         if changed:
             self._entries = [dataclasses.astuple(e) for e in entries]
             self._stable = self._stable_ptrs()
-            self._twins = twins(tensors.values(), st._rank)
+            self._twins = twins(tensors.values(), core.rank)
             self._reserve(nbytes)
         flat = Flattened(None, locals_, [BlobEntry(e.dtype, e.chunk, e.offset, e.nbytes) for e in entries], nbytes)
         header = {
-            "format": FORMAT, "step": st.step, "world_size": st._world_size, "rank": st._rank, "nbytes": nbytes,
+            "format": FORMAT, "step": step, "world_size": core.world_size, "rank": core.rank, "nbytes": nbytes,
             "entries": self._entries, "twins": self._twins,
             "skeleton": pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL),
         }  # fmt: skip
         mem = self.slots()
-        prune = st._local_rank == 0 and st.step % PRUNE_EVERY == 0
+        prune = core.local_rank == 0 and step % PRUNE_EVERY == 0
         marked = copy_step and self.copies.mark()
 
         def published(slot: int, crc: int) -> None:
@@ -204,8 +200,8 @@ class ShardedState:
 
         failed = self.copies.cancel if marked else (lambda: None)  # a marked step's request will not come
         try:
-            written = st._pipe.write(mem, flat, header, self._stable if background else None, published, failed,
-                                     force=persist or stop)  # fmt: skip
+            written = core.pipe.write(mem, flat, header, self._stable if background else None, published, failed,
+                                      force=persist or stop)  # fmt: skip
         except BaseException:  # before the copy began (no slot): the same
             if marked:
                 self.copies.cancel()
@@ -215,75 +211,43 @@ class ShardedState:
 
     def _persist(self, slot: int, header: dict[str, Any], must: bool) -> None:
         """Queue this rank's part of the DCP checkpoint of a just-published slot."""
-        st = self.st
-        assert st._ckpt is not None
-        if st._persist_skipped(header["step"], must, stacklevel=3):
-            return
-        ckpt, mem, step, ws, rank = st._ckpt, self.slots(), header["step"], header["world_size"], header["rank"]
-        payload = st._mem.read_rng(rank, step) or b""
+        core = self.core
+        assert core.ckpt is not None
+        ckpt, mem, step, ws, rank = core.ckpt, self.slots(), header["step"], header["world_size"], header["rank"]
+        payload = core.mem.read_rng(rank, step) or b""
         state = pickle.dumps(
             {"skeleton": header["skeleton"], "step": step, "world_size": ws,
              "placements": {e.key: e.placements for e in entries_of(header)}},
             protocol=pickle.HIGHEST_PROTOCOL,
         ) if rank == 0 else b""  # fmt: skip
-        mem.pin(slot)
 
-        def run() -> None:
+        def write() -> None:
             try:
                 ckpt.write_rng(step, rank, payload)
                 durable.write_part(ckpt, header, mem.data_view(slot, header["nbytes"]))
             finally:
                 mem.unpin(slot)
             if rank == 0:
-                durable.finish(ckpt, step, ws, state, abandoned=self._restoring.is_set)
+                durable.finish(ckpt, step, ws, state, abandoned=core.abandon.is_set)
 
-        st._persister.submit(run)
+        mem.pin(slot)
+        if not core.pipe.persist(step, must, write):
+            mem.unpin(slot)
 
     def checkpoint(self) -> None:
-        """``State.checkpoint()``: this rank's part of a DCP checkpoint of the last commit, waited for."""
-        st = self.st
-        st._drain()
-        st._persister.wait()
+        """This rank's part of a DCP checkpoint of the last commit, waited for."""
+        core, step = self.core, self.objects.step
+        core.pipe.drain()
+        core.pipe.persister.wait()
         mem = self.slots()
-        if not any(i.step == st.step for i in mem.scan()):
-            self.snapshot(persist=False, stop=False, background=False)  # a step snapshot_every skipped
-        info = next(i for i in mem.scan() if i.step == st.step)
+        if not any(i.step == step for i in mem.scan()):
+            self.snapshot(persist=False, stop=False, background=False)  # a step the spacing skipped
+        info = next(i for i in mem.scan() if i.step == step)
         self._persist(info.slot, info.header, must=True)
-        st._persister.wait()
+        core.pipe.persister.wait()
 
     # -- restore --------------------------------------------------------------------------------
-    def _report(self) -> tuple[ShardReport, dict[int, DiskCandidate]]:
-        st = self.st
-        shards: dict[tuple[int, int], list[int]] = {}
-        found_twins: dict[tuple[int, int], tuple[int, ...]] = {}
-        for f in slots.scan_node(st._mem.dir, st._mem.run_id):
-            shards.setdefault((f.step, f.world_size), []).append(f.rank)
-            if len(f.header.get("twins", ())) > 1:
-                found_twins[(f.step, f.rank)] = tuple(f.header["twins"])
-        disk = {}
-        if st._ckpt is not None:
-            disk = {c.step: c for c in st._ckpt.scan(warn=st._rank == 0) if c.kind == durable.KIND}
-        report = ShardReport(
-            rank=st._rank,
-            node=self.node,
-            shards={k: sorted(set(v)) for k, v in shards.items()},
-            mem_rng=st._mem.scan_rng(),
-            disk={s: c.world_size for s, c in disk.items()},
-            disk_rng={s: c.rng_ranks for s, c in disk.items()},
-            twins=found_twins,
-            server=snapclient.my_server(),
-        )
-        return report, disk
-
-    def restore(self) -> str | None:
-        """``State.restore()`` for a sharded state: ``"memory"``, ``"peer"``, ``"disk"`` or None."""
-        st = self.st
-        self._restoring.set()
-        try:
-            st._drain()
-            st._persister.wait()
-        finally:
-            self._restoring.clear()
+    def prepare(self) -> Any:
         if reform.active() and os.environ.get("TORCHELASTIC_RESTART_COUNT") != self.generation:
             if not self.attached:
                 raise Unsupported(
@@ -292,41 +256,68 @@ class ShardedState:
                 )
             self.stale = True  # fn builds the model again on the new group and calls State.attach()
             return None
-        report, disk = self._report()
-        reports = edist.all_gather(report)
-        self.sources, self.transfer = {}, None
-        self.copies.configure(reports, st._rank, st._mem.dir, self._current_twins())
-        excluded: set[tuple] = set()
-        for _ in range(4 * sum(len(r.shards) for r in reports) + len(disk) + 8):
-            plan = make_plan(reports, excluded)
-            if plan is None:
-                gone = lost(reports, excluded, None)
-                if gone is not None and st._rank == 0:
-                    notes.warn(f"{_lost_text(gone)} and there is no checkpoint: starting afresh", stacklevel=4)
-                return None
-            if plan.lost is not None and st._rank == 0:
-                where = f"the checkpoint {disk[plan.step].dir}" if plan.source == "disk" else "memory"
-                notes.warn(f"{_lost_text(plan.lost)}: restoring step {plan.step} from {where} "
-                           f"({plan.lost[0] - plan.step} step(s) lost)", stacklevel=4)  # fmt: skip
-            if plan.source == "memory":
-                source, failed = self._from_memory(plan, reports)
-            else:
-                source, failed = self._from_disk(plan, disk[plan.step])
-            if failed:
-                excluded |= failed
-                continue
-            st._restore_rng(plan, disk)  # type: ignore[arg-type]
-            slots.drop_newer(st._mem.dir, st._mem.run_id, plan.step)  # an abandoned timeline
-            self.close()
-            self._reserve(self._shard_bytes())
-            return source
-        raise RuntimeError("State.restore(): no saved sharded state could be loaded on every rank")
+        return self.GO
+
+    def report(self) -> ShardReport:
+        core = self.core
+        shards: dict[tuple[int, int], list[int]] = {}
+        found_twins: dict[tuple[int, int], tuple[int, ...]] = {}
+        for f in slots.scan_node(core.mem.dir, core.mem.run_id):
+            shards.setdefault((f.step, f.world_size), []).append(f.rank)
+            if len(f.header.get("twins", ())) > 1:
+                found_twins[(f.step, f.rank)] = tuple(f.header["twins"])
+        self.disk = {}
+        if core.ckpt is not None:
+            self.disk = {c.step: c for c in core.ckpt.scan(warn=core.rank == 0) if c.kind == durable.KIND}
+        return ShardReport(
+            rank=core.rank,
+            node=self.node,
+            shards={k: sorted(set(v)) for k, v in shards.items()},
+            mem_rng=core.mem.scan_rng(),
+            disk={s: c.world_size for s, c in self.disk.items()},
+            disk_rng={s: c.rng_ranks for s, c in self.disk.items()},
+            twins=found_twins,
+            server=snapclient.my_server(),
+        )
+
+    def begin(self, reports: list[Any]) -> None:
+        self.sources = {}
+        self.copies.configure(reports, self.core.rank, self.core.mem.dir, self._current_twins())
+
+    def attempts(self, reports: list[Any]) -> int:
+        return 4 * sum(len(r.shards) for r in reports) + len(self.disk) + 8
+
+    def plan(self, reports: list[Any], excluded: set[tuple]) -> ShardPlan | None:
+        plan = make_plan(reports, excluded)
+        if plan is not None and plan.lost is not None and self.core.rank == 0:
+            where = f"the checkpoint {self.disk[plan.step].dir}" if plan.source == "disk" else "memory"
+            notes.warn(f"{_lost_text(plan.lost)}: restoring step {plan.step} from {where} "
+                       f"({plan.lost[0] - plan.step} step(s) lost)", stacklevel=4)  # fmt: skip
+        return plan
+
+    def nothing(self, reports: list[Any], excluded: set[tuple], wrote: bool) -> None:
+        gone = lost(reports, excluded, None)
+        if gone is not None and self.core.rank == 0:
+            notes.warn(f"{_lost_text(gone)} and there is no checkpoint: starting afresh", stacklevel=4)
+
+    def load(self, plan: ShardPlan, reports: list[Any], excluded: set[tuple]) -> Loaded:
+        """Every rank loads exactly its new shards of the plan's step (collective: DCP's planner
+        reshards, ``reader.py`` reads); the loaded tree is applied by the returned function."""
+        if plan.source == "memory":
+            return self._from_memory(plan, reports)
+        return self._from_disk(plan, self.disk[plan.step])
+
+    def restored(self, plan: Any) -> None:
+        core = self.core
+        slots.drop_newer(core.mem.dir, core.mem.run_id, plan.step)  # an abandoned timeline
+        self.close()
+        self._reserve(self._shard_bytes())
 
     def _current_twins(self) -> tuple[int, ...]:
         """This rank's twins on the current mesh (HSDP: the same chunks in another replica group)."""
         if self.module is None:
-            return (self.st._rank,)
-        return twins(self.module.parameters(), self.st._rank)
+            return (self.core.rank,)
+        return twins(self.module.parameters(), self.core.rank)
 
     def _agree(self, error: BaseException | None) -> None:
         """Raise the same error on every rank when any rank has one (before a collective load)."""
@@ -336,19 +327,19 @@ class ShardedState:
                 raise Unsupported(errors[0])
             raise error
 
-    def _from_memory(self, plan: ShardPlan, reports: list[ShardReport]) -> tuple[str | None, set[tuple]]:
-        st, step = self.st, plan.step
+    def _from_memory(self, plan: ShardPlan, reports: list[ShardReport]) -> Loaded:
+        core, step = self.core, plan.step
         error: BaseException | None = None
         try:  # collective, and the same answer on every rank
-            reader, headers, missing = open_step(st._mem.dir, st._mem.run_id, "shard", self.node, step,
+            reader, headers, missing = open_step(core.mem.dir, core.mem.run_id, "shard", self.node, step,
                                                  plan.saved_world_size, plan.holders)  # fmt: skip
         except ValueError as e:  # the metas disagree (every rank sees the same ones)
             reader, headers, missing = None, {}, {("mem", self.node, step, old) for old in plan.holders}
             error = e
         if reader is None:
-            if error is not None and st._rank == 0:
+            if error is not None and core.rank == 0:
                 notes.warn(f"memory snapshots of step {step} not used: {error}", stacklevel=4)
-            return None, missing
+            return None, missing, False
         try:
             specs = {}
             for h in headers.values():
@@ -367,26 +358,30 @@ class ShardedState:
         failed = {("mem", reports[holder].node, step, ref.rank) for holder, ref in reader.failed}
         failed = {f for part in edist.all_gather(failed) for f in part}
         if failed:
-            if st._rank == 0:
+            if core.rank == 0:
                 notes.warn(f"memory snapshots unreadable, not used: {sorted(failed)}", stacklevel=4)
-            return None, failed
+            return None, failed, False
         if error is not None:
             raise error
-        self._apply(skeleton, dest)
-        self.sources = dict(reader.sources)
-        moved = getattr(reader.transport, "received", None)
-        if moved:
-            self.transfer = {"via": "server", "bytes": moved, "seconds": reader.transport.seconds}  # type: ignore[attr-defined]
-        return ("peer" if reader.fetched else "memory"), set()
 
-    def _from_disk(self, plan: ShardPlan, cand: DiskCandidate) -> tuple[str | None, set[tuple]]:
-        st = self.st
-        bad = [b for part in edist.all_gather(durable.verify(cand, st._rank, st._world_size)) for b in part]
+        def apply() -> str:
+            self._apply(skeleton, dest)
+            self.sources = dict(reader.sources)
+            moved = getattr(reader.transport, "received", None)
+            if moved:
+                self.transfer = {"via": "server", "bytes": moved, "seconds": reader.transport.seconds}  # type: ignore[attr-defined]
+            return "peer" if reader.fetched else "memory"
+
+        return apply, set(), False
+
+    def _from_disk(self, plan: ShardPlan, cand: DiskCandidate) -> Loaded:
+        core = self.core
+        bad = [b for part in edist.all_gather(durable.verify(cand, core.rank, core.world_size)) for b in part]
         if bad:
-            if st._rank == 0:
+            if core.rank == 0:
                 for b in bad:
                     notes.warn(f"{b}; using an older checkpoint", stacklevel=4)
-            return None, {("disk", plan.step)}
+            return None, {("disk", plan.step)}, False
         error: BaseException | None = None
         try:
             saved = durable.read_state(cand)
@@ -407,12 +402,16 @@ class ShardedState:
         try:
             dcp.load(join(skeleton, dest), checkpoint_id=cand.dir)
         except Exception as e:  # every rank fails together (DCP gathers the read results)
-            if st._rank == 0:
+            if core.rank == 0:
                 notes.warn(f"checkpoint {cand.dir} could not be loaded ({e}); using an older one", stacklevel=4)
-            return None, {("disk", plan.step)}
-        self._apply(skeleton, dest)
-        self.sources = {old: "disk" for old in range(plan.saved_world_size)}
-        return "disk", set()
+            return None, {("disk", plan.step)}, False
+
+        def apply() -> str:
+            self._apply(skeleton, dest)
+            self.sources = {old: "disk" for old in range(plan.saved_world_size)}
+            return "disk"
+
+        return apply, set(), False
 
     def _destination(self, specs: dict[str, _Spec]) -> dict[str, torch.Tensor]:
         """A tensor for every saved key, on this rank's new shards: the live ones where they exist
@@ -459,18 +458,17 @@ class ShardedState:
         tree = join(skeleton, dest)
         own = tree["elastrun"]
         optimizer = optimizer_positional(tree["optimizer"], self.names) if self.optimizer is not None else None
-        self.st._apply({"step": own["step"], "model": None, "optimizer": optimizer,
-                        "sampler": own["sampler"], "extras": own["extras"]})  # fmt: skip
+        self.objects.apply({"step": own["step"], "model": None, "optimizer": optimizer,
+                            "sampler": own["sampler"], "extras": own["extras"]})  # fmt: skip
 
 
-def load_dcp(state: State, checkpoint_id: str | os.PathLike) -> None:
-    """Load ``state``'s model and optimizer from any DCP checkpoint, at this world size (collective).
+def load_dcp(part: ShardedPart, checkpoint_id: str | os.PathLike) -> None:
+    """Load the part's model and optimizer from any DCP checkpoint, at this world size (collective).
 
     The checkpoint's keys are DCP's for ``{"model": model.state_dict(), "optimizer":
     get_optimizer_state_dict(model, optimizer)}`` (torchtitan's, and elastrun's own); the optimizer
     is loaded when the checkpoint has one.  Step, sampler and extras are left as they are.
     """
-    part = state._sharded or ShardedState(state)
     error: BaseException | None = None
     try:
         metadata = durable.read_metadata(checkpoint_id)
@@ -499,7 +497,7 @@ def load_dcp(state: State, checkpoint_id: str | os.PathLike) -> None:
     part._agree(error)
     dcp.load(tree, checkpoint_id=checkpoint_id)
     if with_optimizer:
-        state._optimizer.load_state_dict(optimizer_positional(tree["optimizer"], part.names))
+        part.optimizer.load_state_dict(optimizer_positional(tree["optimizer"], part.names))  # type: ignore[union-attr]
 
 
 def _lost_text(gone: tuple[int, list[int]]) -> str:
