@@ -244,3 +244,28 @@ def test_slots_the_node_cannot_hold_are_refused_with_one_clear_line(tmp_path):
         mem.check_room(free, writers=8)
     assert "--shm-size" in str(e.value) and "snapshot_dir" in str(e.value)
     assert not list(tmp_path.glob("shared.*.data")), "nothing was allocated"
+
+
+def test_with_two_slots_ready_snapshots_alternate_and_keep_the_newest(tmp_path):
+    """Two slots made, the third still being made: snapshots go on, alternating between the two, and
+    the newest complete one is never the one overwritten."""
+    dev, param, _, _, pipe, mem = _setup(tmp_path)
+    gate, calls = threading.Event(), []
+    real_pin = dev.pin
+
+    def pin(address: int, nbytes: int) -> bool:
+        calls.append(address)
+        return (len(calls) <= 2 or gate.wait(10)) and real_pin(address, nbytes)
+
+    dev.pin = pin
+    tree = {"param": param}
+    mem.prepare(flatten(tree).nbytes, dev)
+    assert _bounded(lambda: len(mem._free_ready(flatten(tree).nbytes)) == 2)
+    for step in (1, 2, 3):
+        assert _write(pipe, mem, tree, {param.data_ptr()}, step=step)[0], step
+        _run_all(dev)
+        pipe.drain()
+        assert max(i.step for i in mem.scan()) == step
+    assert sorted(i.step for i in mem.scan()) == [2, 3]
+    gate.set()
+    mem.wait_ready(flatten(tree).nbytes)
