@@ -22,8 +22,8 @@ if [ "${1:-}" = "--quick" ]; then
     timeout 120 "$PY" bench/bench_gpu.py --pairs 126M:ddp --steps 20 --crash "" --out "$OUT/bench.json" 2>&1 \
         | tee "$OUT/bench.log"
 else
-    timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/tests.log"
-    timeout 270 "$PY" bench/bench_gpu.py --pairs 126M:ddp,336M:ddp,126M:fsdp,336M:fsdp --out "$OUT/bench.json" 2>&1 \
+    timeout 230 "$PY" -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/tests.log"
+    timeout 240 "$PY" bench/bench_gpu.py --pairs 126M:ddp,336M:ddp,126M:fsdp,336M:fsdp --steps 16 --out "$OUT/bench.json" 2>&1 \
         | tee "$OUT/bench.log"
 fi
 echo "gpu_check: $(( $(date +%s) - started )) s" | tee -a "$OUT/machine.txt"
