@@ -205,23 +205,15 @@ class SnapshotPipeline:
         host_copy.start()
         self._copy, self._device_copy, self._guarded = host_copy, device_copy, False
 
-        def complete() -> None:
-            nonlocal buf
-            try:
-                dev.activate()
-                if not pinned:
-                    device_copy.to_host()  # pageable: returns once it landed
-                host_copy.wait()
-                device_copy.wait()
-            except BaseException:
-                mem.let_go(slot)
-                failed()
-                raise
-            del buf
-            view.release()
-            published(slot, mem.publish(slot, header))
+        def copy(_: torch.Tensor) -> None:
+            dev.activate()
+            if not pinned:
+                device_copy.to_host()  # pageable: returns once it landed
+            host_copy.wait()
+            device_copy.wait()
 
-        self._writer.submit(complete)
+        del buf
+        self._writer.submit(_completion(mem, claimed, header, copy, published, failed))
         return True
 
     def _write_host(self, mem: MemorySnapshots, flat: Flattened, header: dict[str, Any], stable: set[int] | None,
@@ -233,26 +225,17 @@ class SnapshotPipeline:
                     flat.tensors[i] = t.clone()  # forward may change it before the copy runs
         claimed = mem.begin(flat.nbytes)
         assert claimed is not None
-        slot, buf, view = claimed
-        copy = SnapshotCopy(flat, buf) if stable is not None else None
+        copy = SnapshotCopy(flat, claimed[1]) if stable is not None else None
 
-        def complete() -> None:
-            nonlocal buf
-            try:
-                if copy is None:
-                    copy_into(flat, buf)
-                else:
-                    if copy.device_indices:  # a device tensor in a host state (not the GPU path)
-                        copy_into(flat, buf, copy.device_indices)
-                    copy.wait()
-            except BaseException:
-                mem.let_go(slot)
-                failed()
-                raise
-            del buf
-            view.release()
-            published(slot, mem.publish(slot, header))
+        def copy_all(buf: torch.Tensor) -> None:
+            if copy is None:
+                copy_into(flat, buf)
+            else:
+                if copy.device_indices:  # a device tensor in a host state (not the GPU path)
+                    copy_into(flat, buf, copy.device_indices)
+                copy.wait()
 
+        complete = _completion(mem, claimed, header, copy_all, published, failed)
         if copy is None:
             complete()
             return True
@@ -332,3 +315,28 @@ class SnapshotPipeline:
         """After a re-form: step times start again (the group, and perhaps the rank, changed)."""
         if self.meter is not None:
             self.meter.reset()
+
+
+def _completion(mem: MemorySnapshots, claimed: tuple[int, torch.Tensor, memoryview], header: dict[str, Any],
+                copy: Callable[[torch.Tensor], None], published: Callable[[int, int], None],
+                failed: Callable[[], None]) -> Callable[[], None]:  # fmt: skip
+    """The job that finishes a snapshot: ``copy`` into the claimed slot's buffer (or wait for it),
+    then publish the slot with ``header`` and call ``published(slot, meta CRC)``; on a failure the
+    slot is let go and ``failed()`` called.  The buffer is let go before the meta is written (the
+    mapping may then be closed or replaced)."""
+    slot, buf, view = claimed
+    holder = [buf]
+    del buf, claimed
+
+    def complete() -> None:
+        try:
+            copy(holder[0])
+        except BaseException:
+            mem.let_go(slot)
+            failed()
+            raise
+        holder.clear()
+        view.release()
+        published(slot, mem.publish(slot, header))
+
+    return complete

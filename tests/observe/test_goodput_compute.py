@@ -281,3 +281,27 @@ def test_a_worker_killed_by_a_joins_restart_does_not_make_the_join_a_crash() -> 
                    on(node, 6.0, "agent_exit", exitcode=0)]
     gp = compute(events, {})
     assert [(f.kind, f.label, f.detected) for f in gp.faults] == [("join", "1 node(s) joined", T + 5.0)]
+
+
+def test_the_snapshot_spacing_chosen_on_a_gpu_is_in_the_breakdown_and_changes_nothing_else(tmp_path) -> None:
+    """A worker whose snapshots were spaced by their cost (``SPACING`` records, written by the real
+    writer) gets a line in the breakdown; the records count for no time and split no span."""
+    events = [*start(), ev(12.0, "worker_exit", pid=100, local_rank=0, exitcode=0, signal=None),
+              ev(12.5, "agent_exit", exitcode=0)]
+    recs = [restore(0, 2.0, 2.5, None)] + [step(i + 1, 2.5 + i, 3.4 + i, 3.5 + i) for i in range(9)]
+    plain = compute(events, {(NODE, 100): ProcessLog(100, NODE, T + 1.0, recs)})
+    writer = StepLog(tmp_path / "steps-100.bin")
+
+    class Meter:
+        step_s, cost_s = 0.06, 0.012
+
+    writer.spacing(4, Meter())
+    writer.close()
+    (spacing,) = read(tmp_path / "steps-100.bin").records
+    spaced = recs[:5] + [spacing._replace(t2=T + 5.6)] + recs[5:]
+    gp = compute(events, {(NODE, 100): ProcessLog(100, NODE, T + 1.0, spaced)})
+    assert gp.snapshots == (4, 0.06, 0.012) and plain.snapshots is None
+    assert gp.good == pytest.approx(plain.good) and gp.badput == pytest.approx(plain.badput)
+    assert len(gp.spans) == len(plain.spans)
+    assert "snapshots: every 4 step(s), chosen from their cost on the GPU (12.0 ms each = 5.0 % of a 60.0 ms step)" \
+        in format_breakdown(gp)
