@@ -122,8 +122,12 @@ class SnapshotPipeline:
 
     def due(self, step: int, every: int, unready: bool) -> bool:
         """Whether ``step`` is snapshotted (every rank decides the same from the all-reduced view)."""
-        # explicit: every k-th step (as checkpoints count); chosen: k after the last, when all can start one
-        hit = step % every == 0 if self.explicit is not None else step - self._last >= every and not unready
+        # explicit: every k-th step (as checkpoints count); chosen: k after the last (the first commit's
+        # at once, which starts making the slots; after a roll-back, at once), when all can start one
+        if self.explicit is not None:
+            hit = step % every == 0
+        else:
+            hit = (not self.kept or step - self._last >= every or step <= self._last) and not unready
         if hit:
             self.decided(step)
         return hit

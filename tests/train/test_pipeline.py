@@ -269,3 +269,17 @@ def test_with_two_slots_ready_snapshots_alternate_and_keep_the_newest(tmp_path):
     assert sorted(i.step for i in mem.scan()) == [2, 3]
     gate.set()
     mem.wait_ready(flatten(tree).nbytes)
+
+
+def test_which_commits_are_snapshotted():
+    """The chosen spacing: the first commit at once (it starts making the slots), then every k after
+    the last, never while a rank cannot start one, and at once after a roll-back; an explicit k: the
+    multiples of k."""
+    pipe = SnapshotPipeline(None)
+    pipe.every_now = 4
+    assert [s for s in range(1, 14) if pipe.due(s, 4, unready=False)] == [1, 5, 9, 13]
+    assert not pipe.due(17, 4, unready=True) and pipe.due(18, 4, unready=False)
+    assert pipe.due(10, 4, unready=False), "after a roll-back to step 9, the next commit is snapshotted"
+    assert not pipe.due(11, 4, unready=False)
+    explicit = SnapshotPipeline(3)
+    assert [s for s in range(1, 10) if explicit.due(s, 3, unready=True)] == [3, 6, 9]
