@@ -312,7 +312,8 @@ class State(Reformable):
         """Load the model and optimizer from a DCP checkpoint (``dcp.save`` of ``{"model": ...,
         "optimizer": get_optimizer_state_dict(...)}``, e.g. torchtitan's), at this world size.
         Collective.  For a job's first start: ``if state.restore() is None: state.load_dcp(path)``."""
-        from elastrun.train.sharded.shards import ShardedPart, load_dcp
+        from elastrun.train.sharded.destination import load_dcp
+        from elastrun.train.sharded.shards import ShardedPart
 
         part = self._sharded or ShardedPart(self._core, self._objects)
         load_dcp(part, checkpoint_id)

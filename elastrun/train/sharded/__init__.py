@@ -8,6 +8,7 @@ Layers, bottom up:
 * ``fetch.py``: the resolver (own node, else a peer) and the peer transport;
 * ``reader.py``: DCP metadata from the snapshots, and the ``StorageReader`` DCP's planner reads with;
 * ``durable.py``: durable checkpoints as DCP checkpoints, written from the snapshots;
+* ``destination.py``: the tensors a restore loads into, and loading any DCP checkpoint (``State.load_dcp``);
 * ``shards.py``: the sharded :class:`~elastrun.train.part.Part` (what ``State`` does with all of it);
 * ``storage.py``: the memory store for scripts that call ``dcp.save``/``dcp.load`` themselves.
 

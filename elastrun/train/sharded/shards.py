@@ -41,8 +41,8 @@ from elastrun.train.checkpoint import DiskCandidate
 from elastrun.train.part import Core, Loaded, Objects, Part
 from elastrun.train.sharded import durable, slots
 from elastrun.train.sharded.copies import Copies
+from elastrun.train.sharded.destination import Spec, agree, destination, spec_of
 from elastrun.train.sharded.layout import (
-    Entry,
     Layout,
     Unsupported,
     is_dtensor,
@@ -62,16 +62,6 @@ from elastrun.train.sharded.reader import entries_of, open_step
 FORMAT = "elastrun-shard/1"
 #: Stale snapshots (of another world size) are looked for every this many commits.
 PRUNE_EVERY = 50
-
-
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-    """What a destination tensor must be: from a snapshot entry or a checkpoint's metadata."""
-
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    placements: tuple | None | str  # a DTensor's placements, None (plain), or "?" (unknown: disk)
-    device: str
 
 
 class ShardedPart(Part):
@@ -319,14 +309,6 @@ class ShardedPart(Part):
             return (self.core.rank,)
         return twins(self.module.parameters(), self.core.rank)
 
-    def _agree(self, error: BaseException | None) -> None:
-        """Raise the same error on every rank when any rank has one (before a collective load)."""
-        errors = [e for e in edist.all_gather(str(error) if error is not None else None) if e is not None]
-        if errors:
-            if isinstance(error, Unsupported) or error is None:
-                raise Unsupported(errors[0])
-            raise error
-
     def _from_memory(self, plan: ShardPlan, reports: list[ShardReport]) -> Loaded:
         core, step = self.core, plan.step
         error: BaseException | None = None
@@ -344,12 +326,12 @@ class ShardedPart(Part):
             specs = {}
             for h in headers.values():
                 for e in entries_of(h):
-                    specs.setdefault(e.key, _spec(e))
+                    specs.setdefault(e.key, spec_of(e))
             skeleton = pickle.loads(headers[min(headers)]["skeleton"])
-            dest = self._destination(specs)
+            dest = destination(self.module, self.optimizer, specs)
         except (Unsupported, ValueError, KeyError) as e:
             error = e
-        self._agree(error)
+        agree(error)
         try:
             dcp.load(dest, storage_reader=reader, planner=DefaultLoadPlanner())
             error = None
@@ -387,7 +369,7 @@ class ShardedPart(Part):
             saved = durable.read_state(cand)
             metadata = durable.read_metadata(cand.dir)
             specs = {
-                key: _Spec(meta.properties.dtype, tuple(meta.size), saved["placements"].get(key, "?"), "cpu")
+                key: Spec(meta.properties.dtype, tuple(meta.size), saved["placements"].get(key, "?"), "cpu")
                 for key, meta in metadata.state_dict_metadata.items()
                 if isinstance(meta, TensorStorageMetadata)
             }
@@ -395,10 +377,10 @@ class ShardedPart(Part):
             refs = refs_of(skeleton)
             if refs - specs.keys():
                 raise ValueError(f"checkpoint {cand.dir} lacks {sorted(refs - specs.keys())[:3]}")
-            dest = self._destination({k: v for k, v in specs.items() if k in refs})
+            dest = destination(self.module, self.optimizer, {k: v for k, v in specs.items() if k in refs})
         except (Unsupported, ValueError, KeyError, OSError) as e:
             error = e
-        self._agree(error)
+        agree(error)
         try:
             dcp.load(join(skeleton, dest), checkpoint_id=cand.dir)
         except Exception as e:  # every rank fails together (DCP gathers the read results)
@@ -413,46 +395,6 @@ class ShardedPart(Part):
 
         return apply, set(), False
 
-    def _destination(self, specs: dict[str, _Spec]) -> dict[str, torch.Tensor]:
-        """A tensor for every saved key, on this rank's new shards: the live ones where they exist
-        (parameters, buffers, optimizer state), new ones like their parameter otherwise."""
-        from torch.distributed.tensor import DTensor
-
-        live: dict[str, torch.Tensor] = {}
-        params: dict[str, torch.Tensor] = {}
-        if self.module is not None:
-            live.update({f"model.{k}": v for k, v in self.module.state_dict().items()})
-            params = dict(self.module.named_parameters())
-            missing = [k for k in live if k not in specs]
-            if missing:
-                raise Unsupported(f"the saved state has no {missing[0]} (the model has changed?)")
-        if self.optimizer is not None:
-            for fqn, p in params.items():
-                for name, v in self.optimizer.state.get(p, {}).items():
-                    if isinstance(v, torch.Tensor):
-                        live[f"optimizer.state.{fqn}.{name}"] = v
-        out: dict[str, torch.Tensor] = {}
-        for key, spec in specs.items():
-            t = live.get(key)
-            if t is not None and tuple(t.shape) == spec.size and t.dtype == spec.dtype:
-                out[key] = t
-                continue
-            if key.startswith("model."):
-                what = f"size {tuple(t.shape)}" if t is not None else "no such tensor"
-                raise Unsupported(f"{key}: the model has {what}, the saved state {spec.size}: build the same model")
-            param = params.get(key.removeprefix("optimizer.state.").rpartition(".")[0]) if key.startswith(
-                "optimizer.state.") else None  # fmt: skip
-            if param is not None and is_dtensor(param) and tuple(param.shape) == spec.size and spec.placements:
-                local = torch.empty_like(param.to_local(), dtype=spec.dtype)
-                out[key] = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                                              shape=param.shape, stride=param.stride())  # fmt: skip
-            elif spec.placements in (None, "?"):
-                device = torch.device("cuda", torch.cuda.current_device()) if spec.device == "cuda" else "cpu"
-                out[key] = torch.empty(spec.size, dtype=spec.dtype, device=device)
-            else:
-                raise Unsupported(f"{key} is a DTensor shaped unlike any parameter: elastrun.train cannot place it")
-        return out
-
     def _apply(self, skeleton: Any, dest: dict[str, torch.Tensor]) -> None:
         """Put the loaded tree into the live objects (the model's tensors were loaded in place)."""
         tree = join(skeleton, dest)
@@ -462,49 +404,7 @@ class ShardedPart(Part):
                             "sampler": own["sampler"], "extras": own["extras"]})  # fmt: skip
 
 
-def load_dcp(part: ShardedPart, checkpoint_id: str | os.PathLike) -> None:
-    """Load the part's model and optimizer from any DCP checkpoint, at this world size (collective).
-
-    The checkpoint's keys are DCP's for ``{"model": model.state_dict(), "optimizer":
-    get_optimizer_state_dict(model, optimizer)}`` (torchtitan's, and elastrun's own); the optimizer
-    is loaded when the checkpoint has one.  Step, sampler and extras are left as they are.
-    """
-    error: BaseException | None = None
-    try:
-        metadata = durable.read_metadata(checkpoint_id)
-        saved = metadata.state_dict_metadata
-        specs = {
-            key: _Spec(meta.properties.dtype, tuple(meta.size), "?", "cpu")
-            for key, meta in saved.items()
-            if isinstance(meta, TensorStorageMetadata) and key.startswith(("model.", "optimizer.state."))
-        }
-        with_optimizer = part.optimizer is not None and any(k.startswith("optimizer.") for k in saved)
-        if not with_optimizer:
-            specs = {k: v for k, v in specs.items() if k.startswith("model.")}
-        dest = part._destination(specs)
-        model = {k.removeprefix("model."): v for k, v in dest.items() if k.startswith("model.")}
-        tree: dict[str, Any] = {"model": model}
-        if with_optimizer:
-            per_param: dict[str, dict[str, Any]] = {}
-            for key in saved:
-                if key.startswith("optimizer.state."):
-                    fqn, _, name = key.removeprefix("optimizer.state.").rpartition(".")
-                    per_param.setdefault(fqn, {})[name] = dest.get(key)
-            groups = optimizer_tree(part.optimizer, part.names)["param_groups"]
-            tree["optimizer"] = {"state": per_param, "param_groups": groups}
-    except (Unsupported, ValueError, KeyError, OSError) as e:
-        error = e
-    part._agree(error)
-    dcp.load(tree, checkpoint_id=checkpoint_id)
-    if with_optimizer:
-        part.optimizer.load_state_dict(optimizer_positional(tree["optimizer"], part.names))  # type: ignore[union-attr]
-
-
 def _lost_text(gone: tuple[int, list[int]]) -> str:
     step, ranks = gone
     return (f"step {step} is not complete in any surviving node's memory: the shards of rank(s) "
             f"{', '.join(map(str, ranks))} of step {step} were only on nodes that are gone (with their copies)")
-
-
-def _spec(e: Entry) -> _Spec:
-    return _Spec(getattr(torch, e.dtype), tuple(e.size), e.placements, e.device)
