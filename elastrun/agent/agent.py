@@ -165,7 +165,7 @@ class LocalAgent:
                 self.report.detail(f"rendezvous close failed: {exc}")
             self.starter.close()
             # Before the runtime goes: without --log-dir the workers' step records live in its directory.
-            self.report.agent_exit(code, reason, observability.goodput.summary_line() if self.result else None)
+            self.report.agent_exit(code, reason, observability.goodput.summary_line if self.result else None)
             self.runtime.close()
             observability.close(self.report.events)
             self.report.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +47,16 @@ class AgentReport:
         self.events.emit("agent_start", run_id=c.run_id, backend=c.rdzv_backend, min_nodes=c.min_nodes,
                          max_nodes=c.max_nodes, nproc=c.nproc_per_node, pid=pid, hostname=self.hostname)
 
-    def agent_exit(self, code: int, reason: str, goodput: str | None = None) -> None:
-        """The agent's last word: its exit code and why, then this node's goodput line (once workers ran)."""
+    def agent_exit(self, code: int, reason: str, goodput: Callable[[], str] | None = None) -> None:
+        """The agent's last word: its exit code and why, then this node's goodput line (once workers ran).
+
+        ``goodput`` computes the line from the events, so it is called after ``agent_exit`` is logged:
+        computed before, the node would still look running, and the line would be a figure "so far"
+        (the script's end counted as a step in progress) that ``elastrun goodput`` does not give.
+        """
         self.events.emit("agent_exit", exitcode=code, reason=reason)
-        if goodput:
-            self.console.info(goodput)
+        if goodput is not None:
+            self.console.info(goodput())
 
     def snapshot_server(self, address: str | None, auth: bool) -> None:
         """The node's snapshot server listens (None: it could not start, and said why)."""

@@ -120,6 +120,10 @@ def _groups(node: Node) -> None:
                 run.exit_at, run.ok = ts, e.get("exitcode") == 0 and not e.get("signal")
                 if not run.ok and group.end is None:
                     group.end, group.how = ts, "fault"
+                elif group.end is None and all(r.ok for r in group.runs.values()):
+                    # Every worker finished: the group's end is known now, not at the agent's exit (a
+                    # live figure taken at the exit barrier must not count the script's end as a step).
+                    group.end, group.how = ts, "ok"
         elif kind == "worker_stepping":
             run = group.runs.get(int(e.get("local_rank", 0)))
             if run is not None and run.first_beat is None:

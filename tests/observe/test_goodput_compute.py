@@ -117,6 +117,27 @@ def test_a_running_job_is_measured_up_to_now() -> None:
     assert gp.live and gp.end == T + 5.5
     assert gp.good == pytest.approx(3 * 0.9 + 0.5)  # the step in progress counts, for now
     assert to_json(gp)["live"] is True
+    assert summary_line(gp).startswith("goodput so far ")  # says it is not the final figure
+
+
+def test_the_figure_at_the_exit_barrier_is_the_final_one() -> None:
+    """Issue 34: the agent's last line said 48.6 % and ``elastrun goodput`` 43.2 % for one run.  The
+    agent measured before logging its exit, so its group still looked open and the script's end after
+    the last step (here 3 s of 12.5) counted as a step in progress.  A group whose workers have all
+    finished is over, whether the agent has exited or not; and a job whose every node exited is not
+    live, whatever ``now`` is."""
+    recs = [restore(0, 1.5, 2.0, None)] + [step(i + 1, 2.0 + i, 2.9 + i, 3.0 + i) for i in range(6)]
+    logs = {(NODE, 100): ProcessLog(100, NODE, T + 1, recs)}
+    finished = [*start(), ev(11.0, "worker_exit", pid=100, local_rank=0, exitcode=0, signal=None)]
+    final = compute([*finished, ev(12.5, "agent_exit", exitcode=0)], logs)
+    at_the_barrier = compute(finished, logs, now=T + 12.5)
+    assert final.good == pytest.approx(6 * 0.9) and final.badput["idle"] == pytest.approx(3.0 + 1.5)
+    assert at_the_barrier.good == pytest.approx(final.good)
+    assert at_the_barrier.badput == pytest.approx(final.badput)
+    assert at_the_barrier.live and summary_line(at_the_barrier).startswith("goodput so far 43.2 %")
+    assert summary_line(final).startswith("goodput 43.2 %")
+    read_later = compute([*finished, ev(12.5, "agent_exit", exitcode=0)], logs, now=T + 99.0)  # elastrun status
+    assert not read_later.live and summary_line(read_later) == summary_line(final)
 
 
 def test_step_records_round_trip_through_the_mapped_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -188,8 +209,8 @@ def test_a_broken_history_gives_a_line_not_an_exception() -> None:
 
 def test_status_shows_goodput_so_far() -> None:
     doc = {"run_id": "job", "backend": "c10d", "endpoint": "h:1", "state": "running", "round": None,
-           "goodput": {"summary": "goodput 90.0 % of 2 worker(s) x 10.0 s (wall 91.0 %); no badput"}}
-    assert "goodput so far: goodput 90.0 %" in format_status(doc)
+           "goodput": {"summary": "goodput so far 90.0 % of 2 worker(s) x 10.0 s (wall 91.0 %); no badput"}}
+    assert "\ngoodput so far 90.0 % of 2 worker(s)" in format_status(doc)
     doc["goodput"] = {"error": "no events-*.jsonl files under /x"}
     assert "goodput: not available (no events-*.jsonl files under /x)" in format_status(doc)
 
