@@ -302,3 +302,25 @@ def test_a_worker_killed_by_a_joins_restart_does_not_make_the_join_a_crash() -> 
                    on(node, 6.0, "agent_exit", exitcode=0)]
     gp = compute(events, {})
     assert [(f.kind, f.label, f.detected) for f in gp.faults] == [("join", "1 node(s) joined", T + 5.0)]
+
+
+def test_a_fault_is_named_after_its_culprit_not_the_peer_whose_connection_it_closed() -> None:
+    """Rank 1 (host-b) is SIGKILLed at 5.0; host-a's agent finds its own worker dead of the closed
+    connection first (5.01, ``peer_error``), host-b's agent its killed worker later (5.05)."""
+    events = [*two_nodes(),
+              on("host-a", 5.01, "worker_exit", round=0, pid=100, local_rank=0, exitcode=1, signal=None),
+              on("host-a", 5.01, "worker_failure", round=0, rank=0, local_rank=0, exitcode=1, signal=None,
+                 peer_error=True),
+              on("host-b", 5.05, "worker_exit", round=0, pid=200, local_rank=0, exitcode=None, signal="SIGKILL"),
+              on("host-b", 5.05, "worker_failure", round=0, rank=1, local_rank=0, exitcode=None, signal="SIGKILL",
+                 peer_error=False),
+              on("host-a", 5.1, "round_start", after=0), on("host-b", 5.1, "round_start", after=0)]
+    for rank, (node, pid) in enumerate((("host-a", 101), ("host-b", 201))):
+        events += [on(node, 5.3, "round_closed", round=1, generation=1, world_size=2, members=["host-a", "host-b"]),
+                   on(node, 5.3, "worker_start", round=1, generation=1, rank=rank, local_rank=0, pid=pid,
+                      start_method="fork"),
+                   on(node, 9.0, "worker_exit", round=1, pid=pid, local_rank=0, exitcode=0, signal=None),
+                   on(node, 9.5, "agent_exit", exitcode=0)]
+    (fault,) = compute(events, {}).faults
+    assert (fault.kind, fault.label, fault.node, fault.rank) == ("worker_failure", "rank 1 killed by SIGKILL",
+                                                                 "host-b", 1)
