@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from elastrun.agent.aftermath import Aftermath, is_peer_error
 from elastrun.agent.hang import HangTracker
 from elastrun.agent.launches import link_kept_logs
 from elastrun.agent.reform import ReformSession
@@ -85,8 +86,11 @@ class WorkerGroup:
 
     def __init__(self, config: LaunchConfig, starter: WorkerStarter, session: ReformSession, report: AgentReport,
                  node_id: str, hostname: str,
-                 claim_hang: Callable[[FailureRecord], str | None] = _no_claims) -> None:
+                 claim_hang: Callable[[FailureRecord], str | None] = _no_claims,
+                 aftermath: Aftermath | None = None) -> None:
         self.config = config
+        #: The console's verdict on each ended worker: own failure in full, consequence in one line.
+        self.aftermath = aftermath or Aftermath(report, node_id, None, config.verbose)
         #: The rendezvous's :meth:`~elastrun.rendezvous.api.RendezvousHandler.claim_hang` (see the module docstring).
         self.claim_hang = claim_hang
         #: When this group first found a silent worker that still runs (monotonic), until it claims.
@@ -178,7 +182,7 @@ class WorkerGroup:
             detected = time.monotonic()
             self.end({h.launch.local_rank for h, _ in failed}, detected)
             failure = self._failure_record(result, failed)
-            self.report.worker_failed(failure)
+            self.aftermath.judged(failure)
             return GroupEnd(Outcome.FAILED, failure, f"the failure of rank {failure.rank}", detected)
         if len(self.statuses) == len(self.workers):
             return GroupEnd(Outcome.SUCCEEDED)
@@ -274,6 +278,8 @@ class WorkerGroup:
         status = handle.poll() or _killed()
         failure = self._failure_record(result, [(handle, status)])
         failure.message = f"hang detected: {reason}\n{failure.message}"
+        failure.peer_error = False
+        self.aftermath.judged(failure, say=False)
         return GroupEnd(Outcome.FAILED, failure, f"the hang of rank {handle.launch.rank}", detected)
 
     def _end_behind(self, result: RoundResult, handle: WorkerHandle, reason: str, first: str) -> GroupEnd:
@@ -302,8 +308,10 @@ class WorkerGroup:
             records.append(FailureRecord(node_id=self.node_id, hostname=self.hostname, rank=handle.launch.rank,
                                          local_rank=handle.launch.local_rank, exitcode=status.exitcode,
                                          signal=status.signal_name, timestamp=status.timestamp,
-                                         message=message[-8000:]))
-        first = min(records, key=lambda r: (r.timestamp, r.rank))
+                                         message=message[-8000:],
+                                         peer_error=is_peer_error(message, status.signal_name)))
+            self.aftermath.failed(handle, records[-1])
+        first = min(records, key=lambda r: (r.peer_error, r.timestamp, r.rank))  # rounds.root_cause's order
         first.progress = any(t.made_progress() for t in self.trackers.values())
         self.report.worker_failure(result, first)
         return first
@@ -364,6 +372,7 @@ class WorkerGroup:
             handle.send_signal(signal.SIGKILL)
         handle.wait(5.0)
         handle.close()
+        self.aftermath.stopped([handle])
 
     def kill(self) -> None:
         """SIGKILL every worker's process group and reap them."""
@@ -373,3 +382,4 @@ class WorkerGroup:
         for handle in self.workers:
             handle.wait(5.0)
             handle.close()
+        self.aftermath.stopped(self.workers)

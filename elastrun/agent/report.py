@@ -34,6 +34,7 @@ class AgentReport:
 
     def __init__(self, config: LaunchConfig, node_id: str, hostname: str, console: Console | None = None) -> None:
         self.config = config
+        self.node_id = node_id
         self.hostname = hostname
         self.console = console or Console(node_id, quiet=config.quiet, verbose=config.verbose)
         log_dir = Path(config.log_dir) if config.log_dir else None
@@ -92,8 +93,12 @@ class AgentReport:
         lost = f"; node(s) lost since the last round: {', '.join(result.lost_nodes)}" if result.lost_nodes else ""
         ordered = sorted(result.members, key=lambda m: m.group_rank)
         members = [f"{m.node_id} ({m.addr}) #{m.group_rank}" for m in ordered]
+        cause = result.cause
+        after = ""
+        if cause is not None and cause.rank is not None and cause.node_id != self.node_id:  # another node's culprit
+            after = f" after the failure of rank {cause.rank} on {cause.hostname or cause.node_id} ({cause.what})"
         self.console.info(
-            f"round {result.round} formed in {result.duration:.2f} s: {result.group_world_size} node(s), "
+            f"round {result.round} formed in {result.duration:.2f} s{after}: {result.group_world_size} node(s), "
             f"world size {result.world_size}, this node is group rank {result.group_rank} "
             f"(ranks {result.rank_offset}-{result.rank_offset + nproc - 1}); "
             f"restarts used {result.restarts_used}/{result.max_restarts}{lost}",
@@ -185,7 +190,7 @@ class AgentReport:
         """The failure this node records for the round (the earliest of its failed workers)."""
         self.events.emit("worker_failure", round=result.round, generation=result.generation, rank=first.rank,
                          local_rank=first.local_rank, exitcode=first.exitcode, signal=first.signal,
-                         message=first.message[-2000:])
+                         message=first.message[-2000:], peer_error=first.peer_error)
         if self.config.verbose:
             self.console.error(format_failure(first))
 
@@ -195,6 +200,17 @@ class AgentReport:
         last = [line.strip() for line in failure.message.splitlines() if line.strip()]
         cause = f": {last[-1].split(']: ', 1)[-1][:200]}" if last else ""
         self.console.error(f"rank {failure.rank} on {self.hostname} failed ({how}){cause}; starting a new round")
+
+    def worker_stopped(self, rank: int, because: str, kept: str | None, error: str) -> None:
+        """The one console line of a worker that failed, or was stopped, as a consequence of another
+        fault (docs/failures.md); ``kept``: where its traceback stays, ``error``: what it raised."""
+        if kept is not None:
+            where = f" (its traceback: {kept})"
+        elif error:
+            where = f" (its error: {error}; --log-dir keeps its traceback)"
+        else:
+            where = ""
+        self.console.info(f"rank {rank} stopped: {because}{where}")
 
     def hang_detected(self, result: RoundResult, handle: WorkerHandle, reason: str) -> None:
         """A worker's heartbeats stopped and its hang is the round's first fault: it is dumped and killed."""
