@@ -40,7 +40,7 @@ from elastrun.agent.aftermath import Aftermath, fault_name
 from elastrun.agent.console import Console
 from elastrun.agent.group import GroupEnd, Outcome, WorkerGroup
 from elastrun.agent.launches import LaunchBuilder
-from elastrun.agent.reform import ReformSession
+from elastrun.agent.reform import Phase, ReformSession
 from elastrun.agent.report import AgentReport
 from elastrun.agent.runtime import NodeRuntime
 from elastrun.agent.snapserver import SnapshotService
@@ -226,7 +226,7 @@ class LocalAgent:
                 at, why = self._fault
                 if result.cause is not None and result.cause.rank is not None:  # every node's records judged it
                     why = fault_name(result.cause, self.node_id)
-                self.report.recovered(result, why, time.monotonic() - at)
+                self.report.recovered(result, why, time.monotonic() - at, say=self.session.phase is not Phase.ASSIGNED)
                 self._fault = None
             end = self._monitor(result)
             if end.outcome is Outcome.SUCCEEDED:

@@ -180,9 +180,10 @@ class WorkerGroup:
                   if h.launch.local_rank in self.statuses and not self.statuses[h.launch.local_rank].succeeded]
         if failed:
             detected = time.monotonic()
-            self.end({h.launch.local_rank for h, _ in failed}, detected)
+            kept = self.end({h.launch.local_rank for h, _ in failed}, detected, quiet=True)
             failure = self._failure_record(result, failed)
             self.aftermath.judged(failure)
+            self._say_paused(kept)  # after the failure: the culprit comes first on the console
             return GroupEnd(Outcome.FAILED, failure, f"the failure of rank {failure.rank}", detected)
         if len(self.statuses) == len(self.workers):
             return GroupEnd(Outcome.SUCCEEDED)
@@ -318,14 +319,14 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------ end
     def end(self, doomed: set[int], detected_at: float, dump: bool = False,
-            dumping: WorkerHandle | None = None) -> list[WorkerHandle]:
+            dumping: WorkerHandle | None = None, quiet: bool = False) -> list[WorkerHandle]:
         """End the group: kill the workers of ``doomed`` local ranks and every worker that cannot
         re-form in process; pause the others (kept for the next round, returned).
 
         ``dump``: a worker that was asked to leave and did not is sent SIGABRT first (its Python
         stacks go to its stderr), as a hung worker is.  ``dumping``: a doomed worker (a hung one)
         sent SIGABRT at once instead of SIGKILL; it has :data:`DUMP_WAIT` s, while the others are
-        paused, to write its stacks before it is killed.
+        paused, to write its stacks before it is killed.  ``quiet``: the caller says who was kept.
         """
         if dumping is not None and dumping.poll() is None:
             dumping.send_signal(signal.SIGABRT)
@@ -352,9 +353,13 @@ class WorkerGroup:
         for handle in self.workers:
             if handle not in kept:
                 self._discard(handle)
-        if kept and self.session.pending is not None:
-            self.report.workers_paused(sorted(h.launch.rank for h in kept), self.session.pending.paused_in)
+        if not quiet:
+            self._say_paused(kept)
         return kept
+
+    def _say_paused(self, kept: list[WorkerHandle]) -> None:
+        if kept and self.session.pending is not None:
+            self.report.workers_paused([(h.launch.rank, h.pid) for h in kept], self.session.pending.paused_in)
 
     def forward_signal(self, signum: int, grace: float) -> None:
         """Send ``signum`` to every worker, wait up to ``grace`` seconds for them, then kill the rest."""

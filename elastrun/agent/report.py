@@ -113,9 +113,12 @@ class AgentReport:
         self.events.emit("restart", round=result.round, reason=reason, restarts_used=result.restarts_used,
                          max_restarts=result.max_restarts)
 
-    def recovered(self, result: RoundResult, reason: str, took: float) -> None:
+    def recovered(self, result: RoundResult, reason: str, took: float, say: bool = True) -> None:
+        """The new group's workers are started (``say`` False: kept workers are re-forming, and their
+        :meth:`reform` line gives the recovery that counts, when they have rolled back)."""
         self.events.emit("recovered", round=result.round, reason=reason, duration=round(took, 4))
-        self.console.info(f"workers running again {took:.2f} s after {reason}")
+        if say:
+            self.console.info(f"workers running again {took:.2f} s after {reason}")
 
     def rendezvous_warning(self, message: str, fields: dict[str, Any]) -> None:
         """The rendezvous saw something wrong but harmless (e.g. a forged value); its ``on_warning``."""
@@ -228,9 +231,12 @@ class AgentReport:
                          max_restarts=result.max_restarts)
 
     # -- in-process re-forms ---------------------------------------------------------------------
-    def workers_paused(self, ranks: list[int], took: float) -> None:
-        self.console.info(f"rank(s) {_ranks(ranks)} left their group in {took:.2f} s "
-                          "and keep their process for the next round")
+    def workers_paused(self, kept: list[tuple[int, int]], took: float) -> None:
+        """Workers that left their group and keep their process: ``kept`` holds (rank, pid) pairs."""
+        who = ", ".join(f"{rank} (pid {pid})" for rank, pid in sorted(kept))
+        self.console.info(f"rank{'s' if len(kept) > 1 else ''} {who} left {'their' if len(kept) > 1 else 'its'} "
+                          f"group in {took:.2f} s and keep{'' if len(kept) > 1 else 's'} "
+                          f"{'their processes' if len(kept) > 1 else 'its process'} for the next round")
 
     def reform_failed(self, rank: int, error: str) -> None:
         self.console.warn(f"rank {rank} could not re-form: {error[-300:]}")
@@ -249,4 +255,4 @@ class AgentReport:
                          kept=kept, restarted=restarted, sources=sources, step=step)
         self.console.info(f"re-formed in process {took:.2f} s after the change: local rank(s) {_ranks(kept)} kept "
                           "their process" + (f", {_ranks(restarted)} restarted" if restarted else "")
-                          + f" (state: {', '.join(sources)})")
+                          + f"; every rank at step {step} (kept state: {', '.join(sources)})")
