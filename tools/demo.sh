@@ -20,7 +20,9 @@ for arg in "$@"; do
     if [ "$arg" = --plain-loop ]; then mode=(--plain-loop); else args+=("$arg"); fi
 done
 bash tools/setup.sh
-samples=2048 epochs=2 kill_at=40   # 32 steps per epoch with 2 workers × 32: the kill lands in epoch 2
+# 32 steps per epoch with 2 workers × 32: the kill lands in epoch 2, between two checkpoints (every 20
+# steps; docs/first-minute.md says what a kill right after a checkpoint's commit adds)
+samples=2048 epochs=2 kill_at=45
 mkdir -p runs
 run="runs/demo-$(date +%Y%m%d-%H%M%S)"
 for n in $(seq 2 100); do  # another demo started in the same second: take the next free name

@@ -253,6 +253,10 @@ class AgentReport:
         """Every kept worker re-formed in its process."""
         self.events.emit("reform", round=round_, duration=round(took, 4), paused_in=round(paused_in, 4),
                          kept=kept, restarted=restarted, sources=sources, step=step)
-        self.console.info(f"re-formed in process {took:.2f} s after the change: local rank(s) {_ranks(kept)} kept "
-                          "their process" + (f", {_ranks(restarted)} restarted" if restarted else "")
+        def local(ranks: list[int]) -> str:
+            return f"local rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}"
+
+        self.console.info(f"re-formed in process {took:.2f} s after the change: {local(kept)} kept "
+                          + ("their processes" if len(kept) > 1 else "its process")
+                          + (f", {local(restarted)} started anew" if restarted else "")
                           + f"; every rank at step {step} (kept state: {', '.join(sources)})")
