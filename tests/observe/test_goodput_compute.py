@@ -324,3 +324,14 @@ def test_a_fault_is_named_after_its_culprit_not_the_peer_whose_connection_it_clo
     (fault,) = compute(events, {}).faults
     assert (fault.kind, fault.label, fault.node, fault.rank) == ("worker_failure", "rank 1 killed by SIGKILL",
                                                                  "host-b", 1)
+
+
+def test_an_agent_of_a_job_of_several_nodes_says_its_line_is_its_nodes() -> None:
+    """An agent sees its own node's events only: its last line must not pass for the job's figure."""
+    alone, with_a_peer = GoodputTracker(), GoodputTracker()
+    for e in [*start(), ev(12.0, "worker_exit", pid=100, local_rank=0, exitcode=0, signal=None),
+              ev(12.5, "agent_exit", exitcode=0)]:
+        alone(e)
+        with_a_peer({**e, "members": [NODE, "host-2"]} if e["event"] == "round_closed" else e)
+    assert alone.summary_line().startswith("goodput ")
+    assert with_a_peer.summary_line() == "this node's " + alone.summary_line()
