@@ -105,9 +105,9 @@ class Aftermath:
 
     # ------------------------------------------------------------------ what the group tells
     def stopped(self, handles: list[WorkerHandle]) -> None:
-        """The agent ended these workers (killed them): those whose console output is held await the verdict."""
+        """The agent ended these workers (killed them): each awaits the verdict (a line if it held a traceback)."""
         for handle in handles:
-            if handle.pid not in self._pending and handle.console_held():
+            if handle.pid not in self._pending:
                 self._pending[handle.pid] = _Ended(handle, None)
 
     def failed(self, handle: WorkerHandle, failure: FailureRecord) -> None:
@@ -140,6 +140,9 @@ class Aftermath:
         pending, self._pending = self._pending, {}
         for ended in sorted(pending.values(), key=lambda e: e.handle.launch.rank):
             failure, handle = ended.failure, ended.handle
+            if failure is None and not handle.console_held():
+                handle.release_console()  # it printed nothing of its end; whatever comes late is shown
+                continue
             culprit = cause is not None and cause.node_id == self.node_id and cause.rank == handle.launch.rank
             if cause is None or culprit:
                 handle.release_console()

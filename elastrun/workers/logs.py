@@ -63,6 +63,8 @@ class StreamPump(threading.Thread):
         self._held: list[bytes] | None = None
         self._held_since = 0.0
         self._dropped = False
+        #: The agent has judged this worker (released): a traceback held after that is printed at the end.
+        self._released = False
         self._state = threading.Lock()
 
     def set_prefix(self, prefix: str) -> None:
@@ -77,7 +79,7 @@ class StreamPump(threading.Thread):
     def release(self) -> None:
         """Print the held lines now (the worker's own failure, or no judgement); later lines pass."""
         with self._state:
-            held, self._held = self._held, None
+            held, self._held, self._released = self._held, None, True
             if held:
                 self._write(b"".join(held))
 
@@ -110,6 +112,8 @@ class StreamPump(threading.Thread):
                     self._emit(lines)
             if pending:
                 self._emit([pending])
+            if self._released:
+                self.release()  # held after the agent's judgement (output of the worker's children): shown
         finally:
             os.close(self._fd)
             if self._file is not None:

@@ -131,3 +131,15 @@ def test_a_held_traceback_is_shown_when_no_judgement_comes_while_the_worker_writ
     assert not pump.holding
     os.close(w)
     pump.join(10)
+
+
+def test_a_traceback_that_comes_after_the_judgement_is_shown_at_the_end(tmp_path):
+    """The agent judged the worker (released) before its stream ended, and a traceback came later (a
+    child of the worker's, still holding the pipe): nobody will judge it, so the end shows it."""
+    pump, console, w = _pump(tmp_path, error_file_exists=True)
+    pump.release()
+    os.write(w, TRACEBACK)
+    os.close(w)
+    pump.join(10)
+    assert not pump.holding and console.data.endswith(b"[node0 rank0]: [rank0]: RuntimeError: Connection closed by "
+                                                      b"peer\n")
