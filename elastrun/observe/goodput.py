@@ -79,6 +79,7 @@ class Goodput:
     spans: list[Span]
     #: How progress was measured: ``steps`` (elastrun.train records), ``heartbeats``, ``none``, or ``mixed``.
     basis: str
+    #: Measured while some node still ran (a figure "so far", not the job's final one).
     live: bool = False
     restore_sources: dict[str, float] = field(default_factory=dict)
     #: The memory snapshots' latest spacing on a GPU: (every k steps, a step's device seconds, a
@@ -329,7 +330,9 @@ def compute(events: list[dict[str, Any]], logs: dict[tuple[str, Any], ProcessLog
     run_id = next((str(e.get("run_id")) for e in events if e.get("event") == "agent_start"), "?")
     return Goodput(run_id, start, end, sum(n.nproc for n in nodes.values()),
                    sum(n.nproc * max(0.0, n.end - n.start) for n in nodes.values()), good, badput, wall_good,
-                   wall_bad, faults, spans, basis, live=now is not None, restore_sources=sources,
+                   wall_bad, faults, spans, basis, live=now is not None and any(n.exit is None and n.lost_at is None
+                                                                                for n in nodes.values()),
+                   restore_sources=sources,
                    snapshots=(spacing.step, spacing.t0, spacing.t1) if spacing is not None else None)
 
 
