@@ -3,8 +3,10 @@
 ``kill AUDIT_DIR --rank R --at-step S``: waits until rank R of the first attempt has committed
 step S (read from the example's ``--audit-dir`` records), then SIGKILLs that worker from outside
 and records when.  ``report AUDIT_DIR LOG_DIR``: reads those records and the agent's event log and
-prints what happened: the failure, the recovery time, the committed steps lost, and whether every
-sample was used exactly once per epoch.  Exit 1 when a check fails.
+prints what happened: the failure, the recovery time, which workers kept their process (``et.run``)
+and which were started anew, the committed steps lost, whether every sample was used exactly once
+per epoch, and the job's goodput (computed as ``elastrun goodput`` and the agent's last line compute
+it).  Exit 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -64,28 +66,44 @@ def report(audit: Path, log_dir: Path, samples: int) -> int:
         how = failure["signal"] or f"exit code {failure['exitcode']}"
         print(f"failure:    rank {failure['rank']} (pid {kill_rec['pid']}) killed from outside ({how}) "
               f"at step {kill_rec['step']}")
+    restores = {r["rank"]: r for r in by_attempt.get(1, []) if "restored" in r}
+    pid_before = {r["rank"]: r["pid"] for r in by_attempt.get(0, [])}
+    kept = sorted(rank for rank, r in restores.items() if pid_before.get(rank) == r["pid"])
+    anew = sorted(rank for rank in restores if rank not in kept)
+    reform = next((e for e in events if e["event"] == "reform"), None)
     recovered = next((e for e in events if e["event"] == "recovered"), None)
     after = [r for r in by_attempt.get(1, []) if "step" in r]
-    if recovered and after:
+    if (reform or recovered) and after:
         back = min(r["t"] for r in after) - kill_rec["t"]
-        print(f"recovery:   workers restarted {recovered['duration']:.2f} s after the failure; "
-              f"training again {back:.1f} s after the kill (first step after the restore)")
+        if reform and kept:
+            what = (f"rank {_ranks(anew)} started anew, rank {_ranks(kept)} re-formed in its process "
+                    f"{reform['duration']:.2f} s after the failure")
+        else:
+            what = f"every worker restarted {recovered['duration']:.2f} s after the failure" if recovered else "?"
+        print(f"recovery:   {what}; training again {back:.1f} s after the kill (first step after the restore)")
     else:
         print("recovery:   none recorded")
         ok = False
+    for rank in kept:
+        r = restores[rank]
+        print(f"survivor:   rank {rank} kept its process (pid {r['pid']} before and after the kill) and rolled back "
+              f"to step {r['restored']} ({'its own last commit' if r['source'] == 'live' else r['source']})")
+    if not kept and restores:
+        moves = ", ".join(f"rank {rank}: pid {pid_before.get(rank)} -> {r['pid']}"
+                          for rank, r in sorted(restores.items()))
+        print(f"survivor:   none: every worker was restarted (the plain loop; {moves})")
     committed = min(max((r["step"] for r in recs if "step" in r), default=0)
                     for rank in {r["rank"] for r in by_attempt.get(0, [])}
                     for recs in [[r for r in by_attempt[0] if r["rank"] == rank]])
-    restores = [r for r in by_attempt.get(1, []) if "restored" in r]
-    restored = min((r["restored"] for r in restores), default=-1)
+    restored = min((r["restored"] for r in restores.values()), default=-1)
     # commit(S) returns before its memory copy ends; S is safe at the latest once step S+1 reaches
     # optimizer.step() (docs/train.md).  So S-1 is the newest step the kill could not take away.
     lost = max(0, committed - 1 - restored)
-    source = restores[0]["source"] if restores else None
+    sources = ", ".join(f"rank {rank}: {r['source']}" for rank, r in sorted(restores.items()))
     note = "" if restored >= committed or lost else (
         f" (step {committed}'s background copy was still running when the job stopped: redone)")
     print(f"committed:  last commit() on every rank before the kill: step {committed}; restored: step "
-          f"{restored} (from {source}); committed steps lost: {lost}{note}")
+          f"{restored} ({sources}); committed steps lost: {lost}{note}")
     ok &= lost == 0
     latest: dict[int, int] = {}  # step -> the last attempt that committed it (it replaces earlier ones)
     for attempt in sorted(by_attempt):
@@ -105,7 +123,24 @@ def report(audit: Path, log_dir: Path, samples: int) -> int:
           f"(steps 1-{steps[-1] if steps else 0}{'' if contiguous else ', with gaps'}); "
           f"uncommitted steps redone: {redone}")
     ok &= once and contiguous
+    print(f"goodput:    {_goodput(log_dir)}")
+    print(f"            (the agent's last line above; by cause and fault: elastrun goodput {log_dir})")
     return 0 if ok else 1
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _goodput(log_dir: Path) -> str:
+    """The job's goodput, from the one computation that ``elastrun goodput`` and the agent use."""
+    from elastrun.observe.goodput_report import load
+
+    gp = load(log_dir)
+    if gp.ratio is None or gp.basis == "none":
+        return "not measured"
+    return (f"{100 * gp.ratio:.1f} % of the workers' time went into steps that were kept "
+            f"({gp.good:.1f} of {gp.device_seconds:.1f} worker-s)")
 
 
 def main() -> int:

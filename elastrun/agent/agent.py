@@ -36,10 +36,11 @@ import time
 import uuid
 from pathlib import Path
 
+from elastrun.agent.aftermath import Aftermath, fault_name
 from elastrun.agent.console import Console
 from elastrun.agent.group import GroupEnd, Outcome, WorkerGroup
 from elastrun.agent.launches import LaunchBuilder
-from elastrun.agent.reform import ReformSession
+from elastrun.agent.reform import Phase, ReformSession
 from elastrun.agent.report import AgentReport
 from elastrun.agent.runtime import NodeRuntime
 from elastrun.agent.snapserver import SnapshotService
@@ -120,8 +121,10 @@ class LocalAgent:
         self.report.snapshot_server(self.snapshots.address, self.snapshots.key is not None)
         self.launches = LaunchBuilder(config, base_env if base_env is not None else os.environ, self.node_id,
                                       self.runtime)
+        self.aftermath = Aftermath(self.report, self.node_id, Path(config.log_dir) if config.log_dir else None,
+                                   config.verbose)
         self.group = WorkerGroup(config, starter, self.session, self.report, self.node_id, self.hostname,
-                                 handler.claim_hang)
+                                 handler.claim_hang, self.aftermath)
         self.result: RoundResult | None = None
         self._pending_signal: int | None = None
         self._in_rendezvous = False
@@ -159,13 +162,14 @@ class LocalAgent:
             self._leave(reason)
         finally:
             self.group.kill()
+            self.aftermath.settle(None)  # what was not judged by now is shown
             try:
                 self.handler.close()
             except Exception as exc:
                 self.report.detail(f"rendezvous close failed: {exc}")
             self.starter.close()
             # Before the runtime goes: without --log-dir the workers' step records live in its directory.
-            self.report.agent_exit(code, reason, observability.goodput.summary_line() if self.result else None)
+            self.report.agent_exit(code, reason, observability.goodput.summary_line if self.result else None)
             self.runtime.close()
             observability.close(self.report.events)
             self.report.close()
@@ -203,21 +207,26 @@ class LocalAgent:
             try:
                 result = self._rendezvous(node)
             except JobFailedError as exc:
+                self.aftermath.settle(exc.cause, self.result)
                 self.report.job_failed(exc.summary or str(exc), exc.exit_code)
                 return exc.exit_code, "job failed"
             except JobFinishedError as exc:
                 self.report.job_already_finished(str(exc))
                 return 0, "job already finished"
             except RendezvousTimeoutError as exc:
+                self.aftermath.settle(None)
                 self.report.job_failed(str(exc))
                 return 1, "rendezvous timeout"
             except RendezvousConnectionError as exc:
+                self.aftermath.settle(None)
                 self.report.job_failed(str(exc))
                 return 1, "rendezvous lost"
             self.group.start(result, self.launches.for_round(result))
             if self._fault is not None:
                 at, why = self._fault
-                self.report.recovered(result, why, time.monotonic() - at)
+                if result.cause is not None and result.cause.rank is not None:  # every node's records judged it
+                    why = fault_name(result.cause, self.node_id)
+                self.report.recovered(result, why, time.monotonic() - at, say=self.session.phase is not Phase.ASSIGNED)
                 self._fault = None
             end = self._monitor(result)
             if end.outcome is Outcome.SUCCEEDED:
@@ -226,6 +235,7 @@ class LocalAgent:
                 assert self._pending_signal is not None
                 return 128 + self._pending_signal, end.reason
             if end.outcome is Outcome.ABORTED:
+                self.aftermath.settle(None)
                 self.report.job_failed(end.reason, end.exit_code)
                 return end.exit_code, "job failed"
             if end.outcome is Outcome.FAILED and end.failure is not None:
@@ -241,6 +251,9 @@ class LocalAgent:
             result = self.handler.next_round(node)
         finally:
             self._in_rendezvous = False
+        # The workers of the last group whose verdict waited for the round's culprit (another node's, or
+        # a lost node): the closer named it from every node's records.
+        self.aftermath.settle(result.cause, self.result)
         self.result = result
         self.report.round_closed(result)
         return result

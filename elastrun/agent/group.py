@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from elastrun.agent import stall
+from elastrun.agent.aftermath import Aftermath, is_peer_error
 from elastrun.agent.hang import HangTracker, StartupHistory
 from elastrun.agent.launches import link_kept_logs
 from elastrun.agent.reform import ReformSession
@@ -86,8 +87,11 @@ class WorkerGroup:
 
     def __init__(self, config: LaunchConfig, starter: WorkerStarter, session: ReformSession, report: AgentReport,
                  node_id: str, hostname: str,
-                 claim_hang: Callable[[FailureRecord], str | None] = _no_claims) -> None:
+                 claim_hang: Callable[[FailureRecord], str | None] = _no_claims,
+                 aftermath: Aftermath | None = None) -> None:
         self.config = config
+        #: The console's verdict on each ended worker: own failure in full, consequence in one line.
+        self.aftermath = aftermath or Aftermath(report, node_id, None, config.verbose)
         #: The rendezvous's :meth:`~elastrun.rendezvous.api.RendezvousHandler.claim_hang` (see the module docstring).
         self.claim_hang = claim_hang
         #: When this group first found a silent worker that still runs (monotonic), until it claims.
@@ -188,9 +192,10 @@ class WorkerGroup:
                   if h.launch.local_rank in self.statuses and not self.statuses[h.launch.local_rank].succeeded]
         if failed:
             detected = time.monotonic()
-            self.end({h.launch.local_rank for h, _ in failed}, detected)
+            kept = self.end({h.launch.local_rank for h, _ in failed}, detected, quiet=True)
             failure = self._failure_record(result, failed)
-            self.report.worker_failed(failure)
+            self.aftermath.judged(failure)
+            self._say_paused(kept)  # after the failure: the culprit comes first on the console
             return GroupEnd(Outcome.FAILED, failure, f"the failure of rank {failure.rank}", detected)
         if len(self.statuses) == len(self.workers):
             return GroupEnd(Outcome.SUCCEEDED)
@@ -312,6 +317,8 @@ class WorkerGroup:
         status = handle.poll() or _killed()
         failure = self._failure_record(result, [(handle, status)])
         failure.message = f"hang detected: {reason}\n{failure.message}"
+        failure.peer_error = False
+        self.aftermath.judged(failure, say=False)
         return GroupEnd(Outcome.FAILED, failure, f"the hang of rank {handle.launch.rank}", detected)
 
     def _end_behind(self, result: RoundResult, handle: WorkerHandle, reason: str, first: str) -> GroupEnd:
@@ -340,22 +347,24 @@ class WorkerGroup:
             records.append(FailureRecord(node_id=self.node_id, hostname=self.hostname, rank=handle.launch.rank,
                                          local_rank=handle.launch.local_rank, exitcode=status.exitcode,
                                          signal=status.signal_name, timestamp=status.timestamp,
-                                         message=message[-8000:]))
-        first = min(records, key=lambda r: (r.timestamp, r.rank))
+                                         message=message[-8000:],
+                                         peer_error=is_peer_error(message, status.signal_name)))
+            self.aftermath.failed(handle, records[-1])
+        first = min(records, key=lambda r: (r.peer_error, r.timestamp, r.rank))  # rounds.root_cause's order
         first.progress = any(t.made_progress() for t in self.trackers.values())
         self.report.worker_failure(result, first)
         return first
 
     # ------------------------------------------------------------------ end
     def end(self, doomed: set[int], detected_at: float, dump: bool = False,
-            dumping: WorkerHandle | None = None) -> list[WorkerHandle]:
+            dumping: WorkerHandle | None = None, quiet: bool = False) -> list[WorkerHandle]:
         """End the group: kill the workers of ``doomed`` local ranks and every worker that cannot
         re-form in process; pause the others (kept for the next round, returned).
 
         ``dump``: a worker that was asked to leave and did not is sent SIGABRT first (its Python
         stacks go to its stderr), as a hung worker is.  ``dumping``: a doomed worker (a hung one)
         sent SIGABRT at once instead of SIGKILL; it has :data:`DUMP_WAIT` s, while the others are
-        paused, to write its stacks before it is killed.
+        paused, to write its stacks before it is killed.  ``quiet``: the caller says who was kept.
         """
         if dumping is not None and dumping.poll() is None:
             dumping.send_signal(signal.SIGABRT)
@@ -382,9 +391,13 @@ class WorkerGroup:
         for handle in self.workers:
             if handle not in kept:
                 self._discard(handle)
-        if kept and self.session.pending is not None:
-            self.report.workers_paused(sorted(h.launch.rank for h in kept), self.session.pending.paused_in)
+        if not quiet:
+            self._say_paused(kept)
         return kept
+
+    def _say_paused(self, kept: list[WorkerHandle]) -> None:
+        if kept and self.session.pending is not None:
+            self.report.workers_paused([(h.launch.rank, h.pid) for h in kept], self.session.pending.paused_in)
 
     def forward_signal(self, signum: int, grace: float) -> None:
         """Send ``signum`` to every worker, wait up to ``grace`` seconds for them, then kill the rest."""
@@ -402,6 +415,7 @@ class WorkerGroup:
             handle.send_signal(signal.SIGKILL)
         handle.wait(5.0)
         handle.close()
+        self.aftermath.stopped([handle])
 
     def kill(self) -> None:
         """SIGKILL every worker's process group and reap them."""
@@ -411,3 +425,4 @@ class WorkerGroup:
         for handle in self.workers:
             handle.wait(5.0)
             handle.close()
+        self.aftermath.stopped(self.workers)

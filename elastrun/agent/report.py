@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ class AgentReport:
 
     def __init__(self, config: LaunchConfig, node_id: str, hostname: str, console: Console | None = None) -> None:
         self.config = config
+        self.node_id = node_id
         self.hostname = hostname
         self.console = console or Console(node_id, quiet=config.quiet, verbose=config.verbose)
         log_dir = Path(config.log_dir) if config.log_dir else None
@@ -46,11 +48,16 @@ class AgentReport:
         self.events.emit("agent_start", run_id=c.run_id, backend=c.rdzv_backend, min_nodes=c.min_nodes,
                          max_nodes=c.max_nodes, nproc=c.nproc_per_node, pid=pid, hostname=self.hostname)
 
-    def agent_exit(self, code: int, reason: str, goodput: str | None = None) -> None:
-        """The agent's last word: its exit code and why, then this node's goodput line (once workers ran)."""
+    def agent_exit(self, code: int, reason: str, goodput: Callable[[], str] | None = None) -> None:
+        """The agent's last word: its exit code and why, then this node's goodput line (once workers ran).
+
+        ``goodput`` computes the line from the events, so it is called after ``agent_exit`` is logged:
+        computed before, the node would still look running, and the line would be a figure "so far"
+        (the script's end counted as a step in progress) that ``elastrun goodput`` does not give.
+        """
         self.events.emit("agent_exit", exitcode=code, reason=reason)
-        if goodput:
-            self.console.info(goodput)
+        if goodput is not None:
+            self.console.info(goodput())
 
     def snapshot_server(self, address: str | None, auth: bool) -> None:
         """The node's snapshot server listens (None: it could not start, and said why)."""
@@ -86,8 +93,12 @@ class AgentReport:
         lost = f"; node(s) lost since the last round: {', '.join(result.lost_nodes)}" if result.lost_nodes else ""
         ordered = sorted(result.members, key=lambda m: m.group_rank)
         members = [f"{m.node_id} ({m.addr}) #{m.group_rank}" for m in ordered]
+        cause = result.cause
+        after = ""
+        if cause is not None and cause.rank is not None and cause.node_id != self.node_id:  # another node's culprit
+            after = f" after the failure of rank {cause.rank} on {cause.hostname or cause.node_id} ({cause.what})"
         self.console.info(
-            f"round {result.round} formed in {result.duration:.2f} s: {result.group_world_size} node(s), "
+            f"round {result.round} formed in {result.duration:.2f} s{after}: {result.group_world_size} node(s), "
             f"world size {result.world_size}, this node is group rank {result.group_rank} "
             f"(ranks {result.rank_offset}-{result.rank_offset + nproc - 1}); "
             f"restarts used {result.restarts_used}/{result.max_restarts}{lost}",
@@ -102,9 +113,12 @@ class AgentReport:
         self.events.emit("restart", round=result.round, reason=reason, restarts_used=result.restarts_used,
                          max_restarts=result.max_restarts)
 
-    def recovered(self, result: RoundResult, reason: str, took: float) -> None:
+    def recovered(self, result: RoundResult, reason: str, took: float, say: bool = True) -> None:
+        """The new group's workers are started (``say`` False: kept workers are re-forming, and their
+        :meth:`reform` line gives the recovery that counts, when they have rolled back)."""
         self.events.emit("recovered", round=result.round, reason=reason, duration=round(took, 4))
-        self.console.info(f"workers running again {took:.2f} s after {reason}")
+        if say:
+            self.console.info(f"workers running again {took:.2f} s after {reason}")
 
     def rendezvous_warning(self, message: str, fields: dict[str, Any]) -> None:
         """The rendezvous saw something wrong but harmless (e.g. a forged value); its ``on_warning``."""
@@ -179,7 +193,7 @@ class AgentReport:
         """The failure this node records for the round (the earliest of its failed workers)."""
         self.events.emit("worker_failure", round=result.round, generation=result.generation, rank=first.rank,
                          local_rank=first.local_rank, exitcode=first.exitcode, signal=first.signal,
-                         message=first.message[-2000:])
+                         message=first.message[-2000:], peer_error=first.peer_error)
         if self.config.verbose:
             self.console.error(format_failure(first))
 
@@ -189,6 +203,17 @@ class AgentReport:
         last = [line.strip() for line in failure.message.splitlines() if line.strip()]
         cause = f": {last[-1].split(']: ', 1)[-1][:200]}" if last else ""
         self.console.error(f"rank {failure.rank} on {self.hostname} failed ({how}){cause}; starting a new round")
+
+    def worker_stopped(self, rank: int, because: str, kept: str | None, error: str) -> None:
+        """The one console line of a worker that failed, or was stopped, as a consequence of another
+        fault (docs/failures.md); ``kept``: where its traceback stays, ``error``: what it raised."""
+        if kept is not None:
+            where = f" (its traceback: {kept})"
+        elif error:
+            where = f" (its error: {error}; --log-dir keeps its traceback)"
+        else:
+            where = ""
+        self.console.info(f"rank {rank} stopped: {because}{where}")
 
     def hang_detected(self, result: RoundResult, handle: WorkerHandle, reason: str) -> None:
         """A worker's heartbeats stopped and its hang is the round's first fault: it is dumped and killed."""
@@ -221,9 +246,12 @@ class AgentReport:
                               f"--crash-loop-limit={self.config.crash_loop_limit}")
 
     # -- in-process re-forms ---------------------------------------------------------------------
-    def workers_paused(self, ranks: list[int], took: float) -> None:
-        self.console.info(f"rank(s) {_ranks(ranks)} left their group in {took:.2f} s "
-                          "and keep their process for the next round")
+    def workers_paused(self, kept: list[tuple[int, int]], took: float) -> None:
+        """Workers that left their group and keep their process: ``kept`` holds (rank, pid) pairs."""
+        who = ", ".join(f"{rank} (pid {pid})" for rank, pid in sorted(kept))
+        self.console.info(f"rank{'s' if len(kept) > 1 else ''} {who} left {'their' if len(kept) > 1 else 'its'} "
+                          f"group in {took:.2f} s and keep{'' if len(kept) > 1 else 's'} "
+                          f"{'their processes' if len(kept) > 1 else 'its process'} for the next round")
 
     def reform_failed(self, rank: int, error: str) -> None:
         self.console.warn(f"rank {rank} could not re-form: {error[-300:]}")
@@ -240,6 +268,10 @@ class AgentReport:
         """Every kept worker re-formed in its process."""
         self.events.emit("reform", round=round_, duration=round(took, 4), paused_in=round(paused_in, 4),
                          kept=kept, restarted=restarted, sources=sources, step=step)
-        self.console.info(f"re-formed in process {took:.2f} s after the change: local rank(s) {_ranks(kept)} kept "
-                          "their process" + (f", {_ranks(restarted)} restarted" if restarted else "")
-                          + f" (state: {', '.join(sources)})")
+        def local(ranks: list[int]) -> str:
+            return f"local rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}"
+
+        self.console.info(f"re-formed in process {took:.2f} s after the change: {local(kept)} kept "
+                          + ("their processes" if len(kept) > 1 else "its process")
+                          + (f", {local(restarted)} started anew" if restarted else "")
+                          + f"; every rank at step {step} (kept state: {', '.join(sources)})")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastrun.observe.goodput_history import Fault, Group, Node, Run, faults_of, join_wait, nodes_of, set_backs
-from elastrun.observe.steplog import BLOCKED, RESTORE, STEP, ProcessLog, Record
+from elastrun.observe.steplog import BLOCKED, RESTORE, SPACING, STEP, ProcessLog, Record
 
 #: Badput causes, in the order they are listed.
 CAUSES = ("startup", "rendezvous", "detection", "restart", "restore", "redone", "commit", "hang", "idle", "unknown")
@@ -79,8 +79,12 @@ class Goodput:
     spans: list[Span]
     #: How progress was measured: ``steps`` (elastrun.train records), ``heartbeats``, ``none``, or ``mixed``.
     basis: str
+    #: Measured while some node still ran (a figure "so far", not the job's final one).
     live: bool = False
     restore_sources: dict[str, float] = field(default_factory=dict)
+    #: The memory snapshots' latest spacing on a GPU: (every k steps, a step's device seconds, a
+    #: snapshot's cost in seconds), or None (every commit, or not recorded).
+    snapshots: tuple[int, float, float] | None = None
 
     @property
     def wall(self) -> float:
@@ -176,7 +180,7 @@ def _run_spans(node: Node, g: Group, run: Run, stop: float, pre: str, pre_fault:
     plog = logs.get((node.node, run.pid))
     recs: list[Record] = []
     if plog is not None:
-        recs = [r for r in plog.records if r.t1 > run.start - 1e-3 and r.t0 < stop + 1e-3]
+        recs = [r for r in plog.records if r.kind != SPACING and r.t1 > run.start - 1e-3 and r.t0 < stop + 1e-3]
     fault = g.fault
 
     def add(a: float, b: float, cause: str, fault: Fault | None = None, detail: str = "", inner: float = 0.0) -> None:
@@ -294,6 +298,7 @@ def compute(events: list[dict[str, Any]], logs: dict[tuple[str, Any], ProcessLog
         else:
             node.end = now if now is not None else max(seen)
     restores = [(r.t0, r.step) for p in logs.values() for r in p.records if r.kind == RESTORE]
+    spacing = max(((r.t2, r) for p in logs.values() for r in p.records if r.kind == SPACING), default=(0, None))[1]
     rollbacks = _Rollbacks(restores, faults)
     spans: list[Span] = []
     bases: set[str] = set()
@@ -325,7 +330,10 @@ def compute(events: list[dict[str, Any]], logs: dict[tuple[str, Any], ProcessLog
     run_id = next((str(e.get("run_id")) for e in events if e.get("event") == "agent_start"), "?")
     return Goodput(run_id, start, end, sum(n.nproc for n in nodes.values()),
                    sum(n.nproc * max(0.0, n.end - n.start) for n in nodes.values()), good, badput, wall_good,
-                   wall_bad, faults, spans, basis, live=now is not None, restore_sources=sources)
+                   wall_bad, faults, spans, basis, live=now is not None and any(n.exit is None and n.lost_at is None
+                                                                                for n in nodes.values()),
+                   restore_sources=sources,
+                   snapshots=(spacing.step, spacing.t0, spacing.t1) if spacing is not None else None)
 
 
 def _wall(spans: list[Span], start: float, end: float) -> tuple[float, dict[str, float]]:

@@ -120,6 +120,10 @@ def _groups(node: Node) -> None:
                 run.exit_at, run.ok = ts, e.get("exitcode") == 0 and not e.get("signal")
                 if not run.ok and group.end is None:
                     group.end, group.how = ts, "fault"
+                elif group.end is None and all(r.ok for r in group.runs.values()):
+                    # Every worker finished: the group's end is known now, not at the agent's exit (a
+                    # live figure taken at the exit barrier must not count the script's end as a step).
+                    group.end, group.how = ts, "ok"
         elif kind == "worker_stepping":
             run = group.runs.get(int(e.get("local_rank", 0)))
             if run is not None and run.first_beat is None:
@@ -204,8 +208,12 @@ def _describe(index: int, rnd: int | None, ends: list[tuple[Node, Group]], lost_
         why = lost_in[names[0]][1]
         label = f"node {', '.join(host(n) for n in names)} lost" + (f" ({why})" if why else "")
         return Fault(index, "node_lost", min(at, detected), detected, label, rnd, names[0])
-    first = {k: next(((n, e) for n, e in sorted(window, key=lambda ne: ne[1]["ts"]) if e.get("event") == k), None)
+    ordered = sorted(window, key=lambda ne: ne[1]["ts"])
+    first = {k: next(((n, e) for n, e in ordered if e.get("event") == k), None)
              for k in ("hang_detected", "worker_failure", "nodes_waiting", "signal", "restart")}
+    # A failure on a peer's closed connection (``peer_error``) is the consequence of one that is not.
+    first["worker_failure"] = next(((n, e) for n, e in ordered if e.get("event") == "worker_failure"
+                                    and not e.get("peer_error")), first["worker_failure"])
     # Of a crash, a join and a signal, the one reported first is the fault; what other nodes report
     # after it is its consequence: a node that stops its workers for a joining node kills their
     # collectives, and a peer's agent may see its own worker die of that before it reads the

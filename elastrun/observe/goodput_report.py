@@ -67,12 +67,14 @@ def summary_line(gp: Goodput) -> str:
     ``goodput 53.5 % of 3 worker(s) x 23.8 s (wall 50.6 %); badput 23.7 worker-s, 4 fault(s): rendezvous
     6.6 s, hang 6.2 s (rank 2 hung at 16 s), restart/re-form 5.0 s (of which 2.2 s from 1 node(s) joined
     at 13 s)``: a cause that no fault caused half of names the fault with the largest part of it when
-    that part is a fifth or more; the rest is the job's own start and end.
+    that part is a fifth or more; the rest is the job's own start and end.  A job measured while it
+    runs says ``goodput so far``: that figure is not the final one.
     """
     if gp.basis == "none":
         return (f"goodput not measured: the workers send neither step records (elastrun.train) nor heartbeats "
                 f"(elastrun.heartbeat()); {len(gp.faults)} fault(s) in {gp.wall:.1f} s")
-    head = (f"goodput {_pct(gp.ratio)} of {gp.slots} worker(s) x {gp.wall:.1f} s (wall {_pct(gp.wall_ratio)})"
+    name = "goodput so far" if gp.live else "goodput"
+    head = (f"{name} {_pct(gp.ratio)} of {gp.slots} worker(s) x {gp.wall:.1f} s (wall {_pct(gp.wall_ratio)})"
             + (" from heartbeats only: redone steps unknown" if gp.basis == "heartbeats" else ""))
     bad = gp.device_seconds - gp.good
     parts = []
@@ -107,6 +109,11 @@ def format_breakdown(gp: Goodput) -> str:
         lines.append("  ".join([r[0].ljust(widths[0])] + [r[i].rjust(widths[i]) for i in range(1, 5)]).rstrip())
     if gp.restore_sources:
         lines.append("restores: " + ", ".join(f"{s} {v:.1f} worker-s" for s, v in sorted(gp.restore_sources.items())))
+    if gp.snapshots is not None:
+        every, step_s, cost_s = gp.snapshots
+        share = f" = {cost_s / every / step_s * 100:.1f} % of a {step_s * 1e3:.1f} ms step" if step_s > 0 else ""
+        lines.append(f"snapshots: every {every} step(s), chosen from their cost on the GPU ({cost_s * 1e3:.1f} ms "
+                     f"each{share})")
     lines.append("")
     if not gp.faults:
         lines.append("faults: none")
@@ -180,9 +187,18 @@ class GoodputTracker:
         return compute(events, read_logs(self.step_dirs), now=None if ended else (now or time.time()))
 
     def summary_line(self) -> str:
-        """The end-of-job line (see :func:`summary_line`); never raises: goodput must not fail a job."""
+        """The end-of-job line (see :func:`summary_line`); never raises: goodput must not fail a job.
+
+        An agent sees its own node's events only: in a job of several nodes the line says that it is
+        this node's figure (``elastrun goodput`` on the shared log directory gives the job's).
+        """
         try:
             gp = self.compute()
         except Exception as exc:  # noqa: BLE001 - a summary is not worth an exit code
             return f"goodput not computed: {exc}"
-        return "goodput not measured: no events" if gp is None else summary_line(gp)
+        if gp is None:
+            return "goodput not measured: no events"
+        with self._lock:
+            nodes = max((len(e.get("members") or ()) for e in self._events if e.get("event") == "round_closed"),
+                        default=1)
+        return f"this node's {summary_line(gp)}" if nodes > 1 else summary_line(gp)

@@ -84,7 +84,7 @@ def format_status(doc: dict[str, Any]) -> str:
         lines.append("job failed: " + str(doc["aborted"]).strip().splitlines()[0])
     goodput = doc.get("goodput")
     if goodput:
-        lines.append(f"goodput so far: {goodput['summary']}" if "summary" in goodput
+        lines.append(goodput["summary"] if "summary" in goodput
                      else f"goodput: not available ({goodput.get('error')})")
     return "\n".join(lines)
 

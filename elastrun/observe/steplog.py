@@ -20,6 +20,9 @@ records, little-endian: kind ``u8`` (:data:`STEP`, :data:`RESTORE`, :data:`BLOCK
   restore's return, or the State's creation) to t1 (``commit()`` called); commit returned at t2.
 - ``RESTORE``: ``restore()`` ran from t0 to t1 and left the state at ``step`` from ``source``.
 - ``BLOCKED``: ``checkpoint()`` or ``flush()`` blocked from t0 to t1.
+- ``SPACING``: from t2 on, memory snapshots are taken every ``step`` commits (chosen from their measured
+  cost on a GPU: ``elastrun/train/spacing.py``); a step's device time is t0 seconds, a snapshot costs
+  t1 seconds.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 MAGIC = b"ELSTEP1\n"
 HEADER_SIZE = 256
@@ -42,7 +45,7 @@ GROW = 21845
 #: Environment variable naming the file explicitly (else: beside TORCHELASTIC_ERROR_FILE).
 PATH_ENV = "ELASTRUN_STEP_LOG"
 
-STEP, RESTORE, BLOCKED = 1, 2, 3
+STEP, RESTORE, BLOCKED, SPACING = 1, 2, 3, 4
 #: Restore sources by code; 0 is a fresh start (nothing restored).
 SOURCES = {0: None, 1: "memory", 2: "peer", 3: "disk", 4: "live"}
 _SOURCE_CODES = {v: k for k, v in SOURCES.items()}
@@ -64,7 +67,7 @@ class Record(NamedTuple):
     @property
     def end(self) -> float:
         """When the recorded call returned."""
-        return self.t2 if self.kind == STEP else self.t1
+        return self.t2 if self.kind in (STEP, SPACING) else self.t1
 
 
 @dataclass
@@ -177,6 +180,12 @@ class StepLog:
         now = time.time()
         self._put(BLOCKED, 0, 0, began, now, now)
         self._since = now
+
+    def spacing(self, every: int, meter: Any) -> None:
+        """Snapshots are now taken every ``every`` commits (``meter``: a ``spacing.Meter``, its figures)."""
+        step_s = float(getattr(meter, "step_s", 0.0) or 0.0)
+        cost_s = float(getattr(meter, "cost_s", 0.0) or 0.0)
+        self._put(SPACING, 0, every, step_s, cost_s, time.time())
 
     def close(self) -> None:
         if self._map is not None:

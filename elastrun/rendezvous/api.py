@@ -56,11 +56,13 @@ class JobFailedError(RendezvousError):
     ``summary`` is the root-cause text that every agent prints.
     """
 
-    def __init__(self, message: str, summary: str = "", exit_code: int = 1) -> None:
+    def __init__(self, message: str, summary: str = "", exit_code: int = 1, cause: RoundCause | None = None) -> None:
         super().__init__(message)
         self.summary = summary
         #: 1: failed (a requeue may help); 3 (``EXIT_NO_REQUEUE``): a crash loop, do not requeue.
         self.exit_code = exit_code
+        #: The culprit of the round that ended the job, when the closer's result carried it.
+        self.cause = cause
 
 
 class JobFinishedError(RendezvousError):
@@ -147,6 +149,41 @@ class RoundResult:
     lost_nodes: list[str] = field(default_factory=list)
     #: How each lost node was found out (see :data:`LOST_CAUSES`), by node id.
     lost_causes: dict[str, str] = field(default_factory=dict)
+    #: What ended the previous round, as its closer judged it from every node's records (None: a
+    #: first round, or a round that ended without a fault, e.g. for a joining node).
+    cause: RoundCause | None = None
+
+
+@dataclass
+class RoundCause:
+    """The culprit of a round's end, named to every member of the next round (and with a job's end).
+
+    Judged by the closer from the failure records of every node and the lost nodes
+    (:func:`elastrun.rendezvous.rounds.round_cause`), so that an agent whose worker failed only
+    because of it can say so in one line (docs/failures.md).
+    """
+
+    node_id: str
+    hostname: str
+    #: The failed rank; None when the culprit is a lost node (all its ranks).
+    rank: int | None
+    #: ``killed by SIGKILL``, ``exit code 1``, ``hung`` or ``lost``.
+    what: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> RoundCause | None:
+        """The cause a result document holds, or None (absent, or not a cause: a forged value is ignored)."""
+        if not isinstance(doc, dict):
+            return None
+        try:
+            rank = doc.get("rank")
+            return cls(str(doc["node_id"]), str(doc.get("hostname") or ""), None if rank is None else int(rank),
+                       str(doc["what"]))
+        except (KeyError, TypeError, ValueError):
+            return None
 
 
 @dataclass
@@ -189,6 +226,10 @@ class FailureRecord:
     #: stopped its workers for a joining node: the failure may be that stop's consequence (a peer's
     #: connection closed under it), so it is reported but not charged to the restart budget.
     after_growth: bool = False
+    #: The worker's error is about its peers (a connection a peer closed, an aborted process group, a
+    #: re-form signal), the mark of a consequence: the round's root cause is another fault when one is
+    #: known (:func:`elastrun.rendezvous.rounds.root_cause`; the agent's rule: docs/failures.md).
+    peer_error: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))

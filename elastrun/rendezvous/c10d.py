@@ -37,6 +37,7 @@ from elastrun.rendezvous.api import (
     RendezvousHandler,
     RendezvousParameters,
     RendezvousTimeoutError,
+    RoundCause,
     RoundChange,
     RoundResult,
 )
@@ -254,7 +255,8 @@ class StoreRendezvousHandler(Closing, Liveness):
             return None  # its closer died before publishing it: the round never formed
         doc = decode_result(value)
         if doc.get("abort"):
-            raise JobFailedError("the job was ended", doc["abort"], int(doc.get("abort_code", 1)))
+            raise JobFailedError("the job was ended", doc["abort"], int(doc.get("abort_code", 1)),
+                                 RoundCause.from_dict(doc.get("cause")))
         roster: Roster
         if is_seated(doc):
             seat = self._read(self._r(round_, "seat", node.node_id))

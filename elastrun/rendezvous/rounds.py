@@ -15,7 +15,14 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from elastrun.rendezvous.api import FailureRecord, Member, NodeInfo, RendezvousTimeoutError, RoundResult
+from elastrun.rendezvous.api import (
+    FailureRecord,
+    Member,
+    NodeInfo,
+    RendezvousTimeoutError,
+    RoundCause,
+    RoundResult,
+)
 
 
 @dataclass
@@ -119,6 +126,7 @@ def member_view(round_: int, doc: dict, members: list[Member], me: Member, store
         max_restarts=int(doc["max_restarts"]),
         lost_nodes=list(doc.get("lost", [])),
         lost_causes=dict(doc.get("lost_causes", {})),
+        cause=RoundCause.from_dict(doc.get("cause")),
     )
 
 
@@ -305,10 +313,35 @@ def judge_round_end(
 
 
 def root_cause(failures: list[FailureRecord]) -> FailureRecord | None:
-    """The failure to blame: the earliest one (consequential failures of peers come later)."""
+    """The failure to blame: the earliest one whose error is the worker's own, else the earliest.
+
+    A peer's death closes the connections of the ranks waiting on it: their errors (``peer_error``)
+    are its consequences, and the agents may see them first (a worker's death and its peer's error
+    found in the same look, or on another node's quicker agent).  Among the rest, consequential
+    failures of peers come later.
+    """
     if not failures:
         return None
-    return min(failures, key=lambda f: (f.timestamp, f.rank))
+    return min(failures, key=lambda f: (f.peer_error, f.timestamp, f.rank))
+
+
+def round_cause(failures: list[FailureRecord], lost: list[str]) -> RoundCause | None:
+    """The culprit of a round's end that every member of the next round is told (docs/failures.md).
+
+    A failure whose error is the worker's own comes first (its root cause); else a lost node, whose
+    closed connections make its peers' errors (its host name is left to the members, who knew it);
+    else the earliest failure.
+    """
+    cause = root_cause(failures)
+    if lost and (cause is None or cause.peer_error):
+        return RoundCause(lost[0], "", None, "lost")
+    if cause is None:
+        return None
+    if cause.message.startswith("hang detected"):
+        what = "hung"
+    else:
+        what = f"killed by {cause.signal}" if cause.signal else f"exit code {cause.exitcode}"
+    return RoundCause(cause.node_id, cause.hostname, cause.rank, what)
 
 
 def fault_line(failure: FailureRecord) -> str:

@@ -40,7 +40,7 @@ import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from elastrun.rendezvous.api import Member, RoundResult
+from elastrun.rendezvous.api import Member, RoundCause, RoundResult
 from elastrun.rendezvous.rounds import member_view
 
 #: Rounds of up to this many members keep every member in the result document.
@@ -99,6 +99,7 @@ def member_result(round_: int, doc: dict[str, Any], me: Member, roster: Roster, 
         max_restarts=int(doc["max_restarts"]),
         lost_nodes=list(doc.get("lost", [])),
         lost_causes=dict(doc.get("lost_causes", {})),
+        cause=RoundCause.from_dict(doc.get("cause")),
     )
 
 

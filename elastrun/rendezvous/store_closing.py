@@ -37,6 +37,7 @@ from elastrun.rendezvous.rounds import (
     encode_result,
     judge_round_end,
     result_document,
+    round_cause,
 )
 from elastrun.rendezvous.seats import FULL_LIST_MAX, FullRoster, all_members, is_seated, split_result
 from elastrun.rendezvous.store_client import StoreClient, all_present
@@ -278,9 +279,11 @@ class Closing(StoreClient):
         abort = None
         lost: list[str] = []
         abort_code = 1
+        cause = None
         if has_prev:
             failures = self._failures(round_ - 1)
             lost = list(dict.fromkeys(self._lines(self._r(round_ - 1, "gone_list"))))
+            cause = round_cause(failures, lost)
             streak_key = self._k("no_progress_streak")
             streak = int(self._read(streak_key) or 0)
             verdict = judge_round_end(self.run_id, failures, len(lost), used, streak, self.params.max_restarts,
@@ -293,6 +296,8 @@ class Closing(StoreClient):
         generation = int(self._store.add(self._k("generation"), 1)) - 1
         restarts_used = min(used, self.params.max_restarts) if abort is None else used
         extra: dict[str, Any] = {"lost_causes": causes}
+        if cause is not None:
+            extra["cause"] = cause.to_dict()
         if abort is None and members and members[0].node_id == self._node.node_id:
             # This closer is group rank 0 (in round 0 the first joiner always is): it starts the
             # workers' store now and the result carries its address, so no member waits for

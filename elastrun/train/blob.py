@@ -88,14 +88,19 @@ def flatten(state: Any) -> Flattened:
 
 
 def make_header(flat: Flattened, **meta: Any) -> dict[str, Any]:
-    """The picklable description of a flattened state (``meta``: step, world size, ...)."""
-    return {
+    """The picklable description of a flattened state (``meta``: step, world size, ...).  A state with
+    tensors on a GPU also says where each tensor was (``devices``): a restore puts them back there."""
+    header = {
         "format": FORMAT_VERSION,
         "skeleton": pickle.dumps(flat.skeleton, protocol=pickle.HIGHEST_PROTOCOL),
         "entries": [(e.dtype, e.shape, e.offset, e.nbytes) for e in flat.entries],
         "nbytes": flat.nbytes,
         **meta,
     }
+    devices = [t.device.type for t in flat.tensors]
+    if any(d != "cpu" for d in devices):
+        header["devices"] = devices
+    return header
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -129,9 +134,15 @@ def _unwalk(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return _rebuild(obj, lambda v: _unwalk(v, tensors))
 
 
-def _dtype_shape(entry: Any) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+def entry_layout(entry: Any) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    """``(dtype, shape, offset, nbytes)`` of one of a header's entries."""
     dtype_name, shape, offset, nbytes = entry
     return getattr(torch, dtype_name), tuple(shape), offset, nbytes
+
+
+def tree_of(header: dict[str, Any], tensors: list[torch.Tensor]) -> Any:
+    """The state tree of ``header`` with its entries' tensors in place."""
+    return _unwalk(pickle.loads(header["skeleton"]), tensors)
 
 
 def check(header: dict[str, Any], buffer: torch.Tensor | None = None) -> None:
@@ -152,7 +163,7 @@ def materialize(header: dict[str, Any], buffer: torch.Tensor, into: dict[int, to
     into = into or {}
     tensors = []
     for i, entry in enumerate(header["entries"]):
-        dtype, shape, offset, nbytes = _dtype_shape(entry)
+        dtype, shape, offset, nbytes = entry_layout(entry)
         if nbytes == 0:
             tensors.append(torch.empty(shape, dtype=dtype))
         elif i in into:
@@ -160,7 +171,7 @@ def materialize(header: dict[str, Any], buffer: torch.Tensor, into: dict[int, to
             tensors.append(into[i])
         else:
             tensors.append(buffer[offset : offset + nbytes].view(dtype).reshape(shape).clone())
-    return _unwalk(pickle.loads(header["skeleton"]), tensors)
+    return tree_of(header, tensors)
 
 
 def _land(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -168,11 +179,12 @@ def _land(dst: torch.Tensor, src: torch.Tensor) -> None:
     ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
 
 
-def landing(header: dict[str, Any], part: str, live: dict[str, Any]) -> dict[int, torch.Tensor]:
+def landing(header: dict[str, Any], part: str, live: dict[str, Any], device: bool = False) -> dict[int, torch.Tensor]:
     """Which entries of a state can land straight in tensors the reader already holds: ``live`` is
     ``part``'s current value (a ``module.state_dict()``, whose tensors share the parameters'
     memory).  All or nothing: only when the saved ``part`` has the same keys, dtypes and shapes
-    (what a strict ``load_state_dict`` accepts); only contiguous CPU tensors, each memory once."""
+    (what a strict ``load_state_dict`` accepts); only contiguous tensors, each memory once, in host
+    memory (``device``: on a GPU too, for ``gpu/load.py``)."""
     tree = pickle.loads(header["skeleton"])
     refs = tree.get(part) if isinstance(tree, dict) else None
     if not isinstance(refs, dict) or list(refs) != list(live):
@@ -183,10 +195,10 @@ def landing(header: dict[str, Any], part: str, live: dict[str, Any]) -> dict[int
         t = live[k]
         if not isinstance(ref, TensorRef) or not isinstance(t, torch.Tensor):
             return {}
-        dtype, shape, _, nbytes = _dtype_shape(header["entries"][ref.index])
+        dtype, shape, _, nbytes = entry_layout(header["entries"][ref.index])
         if t.dtype != dtype or tuple(t.shape) != shape:
             return {}
-        if nbytes and t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() not in seen:
+        if nbytes and (device or t.device.type == "cpu") and t.is_contiguous() and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             into[ref.index] = t
     return into
@@ -219,7 +231,7 @@ class Receipt:
         self._staged: list[tuple[int, torch.Tensor, int]] = []  # (entry, staging buffer, its start offset)
         run: list[int] = []  # indices of the current run of small entries
         for i, entry in enumerate(header["entries"]):
-            dtype, shape, offset, nbytes = _dtype_shape(entry)
+            dtype, shape, offset, nbytes = entry_layout(entry)
             if 0 < nbytes < SMALL:
                 run.append(i)
                 self._tensors.append(None)
@@ -250,7 +262,7 @@ class Receipt:
         """The state tree, once every range was filled."""
         tensors = self._tensors
         for i, buf, start in self._staged:
-            dtype, shape, offset, nbytes = _dtype_shape(self._header["entries"][i])
+            dtype, shape, offset, nbytes = entry_layout(self._header["entries"][i])
             src = buf[offset - start : offset - start + nbytes]
             if i in self._into:
                 _land(self._into[i], src)

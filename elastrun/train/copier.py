@@ -28,7 +28,7 @@ import ctypes
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -134,12 +134,13 @@ class SnapshotCopy:
     (or :meth:`finish`) returned.
     """
 
-    def __init__(self, flat: Flattened, buffer: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, flat: Flattened, buffer: torch.Tensor, chunk_bytes: int = CHUNK_BYTES,
+                 skip: Collection[int] = ()) -> None:  # fmt: skip
         self.device_indices: list[int] = []
         self._chunks: list[_Chunk] = []
         base = buffer.data_ptr()
         for i, (tensor, entry) in enumerate(zip(flat.tensors, flat.entries, strict=True)):
-            if not entry.nbytes:
+            if not entry.nbytes or i in skip:  # skip: the snapshot pipeline's device copy takes them
                 continue
             if tensor.device.type != "cpu" or buffer.device.type != "cpu":
                 self.device_indices.append(i)

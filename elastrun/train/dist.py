@@ -162,19 +162,20 @@ def broadcast_bytes(buffer: torch.Tensor, src: int, chunk: int = 64 << 20) -> No
 
 def any_flag(flag: bool, scratch: list[torch.Tensor]) -> bool:
     """True on every rank when ``flag`` is true on any rank (one tiny all-reduce)."""
-    return any_flags((flag,), scratch)[0]
+    return bool(maxima((flag,), scratch)[0])
 
 
-def any_flags(flags: tuple[bool, ...], scratch: list[torch.Tensor]) -> tuple[bool, ...]:
-    """Each flag OR-ed over every rank, in one tiny all-reduce (every rank passes as many)."""
+def maxima(values: tuple[int, ...], scratch: list[torch.Tensor]) -> tuple[int, ...]:
+    """Each value's maximum over every rank (flags: OR), in one tiny all-reduce (every rank passes
+    as many)."""
     if not active():
-        return flags
-    if not scratch or scratch[0].numel() != len(flags):
-        scratch[:] = [torch.zeros(len(flags), dtype=torch.int32, device=comm_device())]
+        return tuple(int(v) for v in values)
+    if not scratch or scratch[0].numel() != len(values):
+        scratch[:] = [torch.zeros(len(values), dtype=torch.int64, device=comm_device())]
     t = scratch[0]
-    t.copy_(torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32))
+    t.copy_(torch.tensor([int(v) for v in values], dtype=torch.int64))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return tuple(bool(v) for v in t.tolist())
+    return tuple(int(v) for v in t.tolist())
 
 
 def forget_mesh_caches() -> None:

@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -47,10 +47,8 @@ from elastrun.train import copier, notes
 from elastrun.train.dist import DistInfo, forget_mesh_caches, init_distributed
 from elastrun.train.reformable import Reformable
 
-if TYPE_CHECKING:
-    from elastrun.train.state import State
-
 T = TypeVar("T")
+S = TypeVar("S", bound=Reformable)  # a State: run and State meet only in reformable.py
 
 #: The signal that interrupts the training thread (a real-time one: no user meaning, queued).
 INTERRUPT_SIGNAL = signal.SIGRTMIN + 3
@@ -321,7 +319,7 @@ def _should_wait(link: Link, exc: BaseException) -> bool:
     return link.sockets.peer_lost() and link.wait_pause(link.wait_s)
 
 
-def run(fn: Callable[[State], T], state: State, backend: str | None = None, timeout_s: float = 1800.0) -> T:
+def run(fn: Callable[[S], T], state: S, backend: str | None = None, timeout_s: float = 1800.0) -> T:
     """Run ``fn(state)`` until it returns, re-forming in process when the job changes.
 
     Creates the default process group (:func:`init_distributed`), restores ``state``

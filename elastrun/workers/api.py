@@ -134,6 +134,19 @@ class WorkerHandle(abc.ABC):
         """Prefix the worker's later console lines with ``prefix`` (a worker kept across a re-form
         gets a new rank); a no-op for a worker whose output does not pass through the agent."""
 
+    def console_held(self) -> bool:
+        """Whether the worker's console output is held back now: a traceback it printed as it died,
+        awaiting the agent's judgement (:mod:`elastrun.workers.logs`).  False for a worker whose
+        output does not pass through the agent."""
+        return False
+
+    def release_console(self) -> None:
+        """Print the held console output (the worker's own failure, or no judgement)."""
+
+    def drop_console(self) -> None:
+        """Leave the held console output out, and whatever else this ended worker still writes there:
+        it is in its log and error files, and the agent says in one line why it stopped."""
+
     def stderr_tail(self, lines: int = 20) -> str:
         """The last ``lines`` lines the worker wrote to stderr ("" if none are known).
 

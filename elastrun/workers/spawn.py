@@ -53,7 +53,8 @@ class StreamSet:
         out_r, self.out_w = os.pipe()
         err_r, self.err_w = os.pipe()
         self.out = StreamPump(out_r, console_out, CONSOLE_LOCK, launch.console_prefix, launch.stdout_path, False)
-        self.err = StreamPump(err_r, console_err, CONSOLE_LOCK, launch.console_prefix, launch.stderr_path, True)
+        self.err = StreamPump(err_r, console_err, CONSOLE_LOCK, launch.console_prefix, launch.stderr_path, True,
+                              hold_when=launch.error_file)
 
     def start(self) -> None:
         """Close the agent's copies of the write ends (the child holds them) and start pumping."""
@@ -133,6 +134,15 @@ class ChildHandle(WorkerHandle):
 
     def stderr_tail(self, lines: int = 20) -> str:
         return tail_text(self.streams.err, self.launch.stderr_path, lines)
+
+    def console_held(self) -> bool:
+        return self.streams.err.holding
+
+    def release_console(self) -> None:
+        self.streams.err.release()
+
+    def drop_console(self) -> None:
+        self.streams.err.drop()
 
     def close(self) -> None:
         self.streams.join()

@@ -117,6 +117,26 @@ def test_a_failure_kills_the_others_and_names_the_root_cause(setup):
     assert s.named("worker_failure")[0]["rank"] == 1
 
 
+def test_a_peers_connection_error_seen_first_is_not_the_failure_recorded(setup):
+    """Rank 1 SIGKILLed and rank 0 failed on the closed connection, both found in one look: rank 0,
+    polled first, has the earlier time, but its error is about its peer (docs/failures.md)."""
+    s = setup()
+    result = round_result()
+    launches = s.launches(result)
+    s.group.start(result, launches)
+    launches[0].error_file.parent.mkdir(parents=True)
+    launches[0].error_file.write_text(json.dumps({"message": {"message": "RuntimeError: ...", "extraInfo": {
+        "py_callstack": "Traceback ...\nRuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:6048",
+        "timestamp": "1"}}}))
+    s.starter.started[0].exit(1)
+    s.starter.started[1].exit(sig=signal.SIGKILL)
+    end = s.group.check(result)
+    assert end is not None and end.outcome is Outcome.FAILED and end.reason == "the failure of rank 1"
+    assert end.failure is not None and (end.failure.rank, end.failure.signal, end.failure.peer_error) == (
+        1, "SIGKILL", False)
+    assert [(e["rank"], e["peer_error"]) for e in s.named("worker_failure")] == [(1, False)]
+
+
 def test_a_death_after_the_script_returned_is_a_teardown_fault_not_a_failure(setup):
     s = setup(nproc_per_node=1)
     result = round_result(nproc=1)

@@ -117,6 +117,27 @@ def test_a_running_job_is_measured_up_to_now() -> None:
     assert gp.live and gp.end == T + 5.5
     assert gp.good == pytest.approx(3 * 0.9 + 0.5)  # the step in progress counts, for now
     assert to_json(gp)["live"] is True
+    assert summary_line(gp).startswith("goodput so far ")  # says it is not the final figure
+
+
+def test_the_figure_at_the_exit_barrier_is_the_final_one() -> None:
+    """Issue 34: the agent's last line said 48.6 % and ``elastrun goodput`` 43.2 % for one run.  The
+    agent measured before logging its exit, so its group still looked open and the script's end after
+    the last step (here 3 s of 12.5) counted as a step in progress.  A group whose workers have all
+    finished is over, whether the agent has exited or not; and a job whose every node exited is not
+    live, whatever ``now`` is."""
+    recs = [restore(0, 1.5, 2.0, None)] + [step(i + 1, 2.0 + i, 2.9 + i, 3.0 + i) for i in range(6)]
+    logs = {(NODE, 100): ProcessLog(100, NODE, T + 1, recs)}
+    finished = [*start(), ev(11.0, "worker_exit", pid=100, local_rank=0, exitcode=0, signal=None)]
+    final = compute([*finished, ev(12.5, "agent_exit", exitcode=0)], logs)
+    at_the_barrier = compute(finished, logs, now=T + 12.5)
+    assert final.good == pytest.approx(6 * 0.9) and final.badput["idle"] == pytest.approx(3.0 + 1.5)
+    assert at_the_barrier.good == pytest.approx(final.good)
+    assert at_the_barrier.badput == pytest.approx(final.badput)
+    assert at_the_barrier.live and summary_line(at_the_barrier).startswith("goodput so far 43.2 %")
+    assert summary_line(final).startswith("goodput 43.2 %")
+    read_later = compute([*finished, ev(12.5, "agent_exit", exitcode=0)], logs, now=T + 99.0)  # elastrun status
+    assert not read_later.live and summary_line(read_later) == summary_line(final)
 
 
 def test_step_records_round_trip_through_the_mapped_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -188,8 +209,8 @@ def test_a_broken_history_gives_a_line_not_an_exception() -> None:
 
 def test_status_shows_goodput_so_far() -> None:
     doc = {"run_id": "job", "backend": "c10d", "endpoint": "h:1", "state": "running", "round": None,
-           "goodput": {"summary": "goodput 90.0 % of 2 worker(s) x 10.0 s (wall 91.0 %); no badput"}}
-    assert "goodput so far: goodput 90.0 %" in format_status(doc)
+           "goodput": {"summary": "goodput so far 90.0 % of 2 worker(s) x 10.0 s (wall 91.0 %); no badput"}}
+    assert "\ngoodput so far 90.0 % of 2 worker(s)" in format_status(doc)
     doc["goodput"] = {"error": "no events-*.jsonl files under /x"}
     assert "goodput: not available (no events-*.jsonl files under /x)" in format_status(doc)
 
@@ -281,3 +302,60 @@ def test_a_worker_killed_by_a_joins_restart_does_not_make_the_join_a_crash() -> 
                    on(node, 6.0, "agent_exit", exitcode=0)]
     gp = compute(events, {})
     assert [(f.kind, f.label, f.detected) for f in gp.faults] == [("join", "1 node(s) joined", T + 5.0)]
+
+
+def test_the_snapshot_spacing_chosen_on_a_gpu_is_in_the_breakdown_and_changes_nothing_else(tmp_path) -> None:
+    """A worker whose snapshots were spaced by their cost (``SPACING`` records, written by the real
+    writer) gets a line in the breakdown; the records count for no time and split no span."""
+    events = [*start(), ev(12.0, "worker_exit", pid=100, local_rank=0, exitcode=0, signal=None),
+              ev(12.5, "agent_exit", exitcode=0)]
+    recs = [restore(0, 2.0, 2.5, None)] + [step(i + 1, 2.5 + i, 3.4 + i, 3.5 + i) for i in range(9)]
+    plain = compute(events, {(NODE, 100): ProcessLog(100, NODE, T + 1.0, recs)})
+    writer = StepLog(tmp_path / "steps-100.bin")
+
+    class Meter:
+        step_s, cost_s = 0.06, 0.012
+
+    writer.spacing(4, Meter())
+    writer.close()
+    (spacing,) = read(tmp_path / "steps-100.bin").records
+    spaced = recs[:5] + [spacing._replace(t2=T + 5.6)] + recs[5:]
+    gp = compute(events, {(NODE, 100): ProcessLog(100, NODE, T + 1.0, spaced)})
+    assert gp.snapshots == (4, 0.06, 0.012) and plain.snapshots is None
+    assert gp.good == pytest.approx(plain.good) and gp.badput == pytest.approx(plain.badput)
+    assert len(gp.spans) == len(plain.spans)
+    assert "snapshots: every 4 step(s), chosen from their cost on the GPU (12.0 ms each = 5.0 % of a 60.0 ms step)" \
+        in format_breakdown(gp)
+
+
+def test_a_fault_is_named_after_its_culprit_not_the_peer_whose_connection_it_closed() -> None:
+    """Rank 1 (host-b) is SIGKILLed at 5.0; host-a's agent finds its own worker dead of the closed
+    connection first (5.01, ``peer_error``), host-b's agent its killed worker later (5.05)."""
+    events = [*two_nodes(),
+              on("host-a", 5.01, "worker_exit", round=0, pid=100, local_rank=0, exitcode=1, signal=None),
+              on("host-a", 5.01, "worker_failure", round=0, rank=0, local_rank=0, exitcode=1, signal=None,
+                 peer_error=True),
+              on("host-b", 5.05, "worker_exit", round=0, pid=200, local_rank=0, exitcode=None, signal="SIGKILL"),
+              on("host-b", 5.05, "worker_failure", round=0, rank=1, local_rank=0, exitcode=None, signal="SIGKILL",
+                 peer_error=False),
+              on("host-a", 5.1, "round_start", after=0), on("host-b", 5.1, "round_start", after=0)]
+    for rank, (node, pid) in enumerate((("host-a", 101), ("host-b", 201))):
+        events += [on(node, 5.3, "round_closed", round=1, generation=1, world_size=2, members=["host-a", "host-b"]),
+                   on(node, 5.3, "worker_start", round=1, generation=1, rank=rank, local_rank=0, pid=pid,
+                      start_method="fork"),
+                   on(node, 9.0, "worker_exit", round=1, pid=pid, local_rank=0, exitcode=0, signal=None),
+                   on(node, 9.5, "agent_exit", exitcode=0)]
+    (fault,) = compute(events, {}).faults
+    assert (fault.kind, fault.label, fault.node, fault.rank) == ("worker_failure", "rank 1 killed by SIGKILL",
+                                                                 "host-b", 1)
+
+
+def test_an_agent_of_a_job_of_several_nodes_says_its_line_is_its_nodes() -> None:
+    """An agent sees its own node's events only: its last line must not pass for the job's figure."""
+    alone, with_a_peer = GoodputTracker(), GoodputTracker()
+    for e in [*start(), ev(12.0, "worker_exit", pid=100, local_rank=0, exitcode=0, signal=None),
+              ev(12.5, "agent_exit", exitcode=0)]:
+        alone(e)
+        with_a_peer({**e, "members": [NODE, "host-2"]} if e["event"] == "round_closed" else e)
+    assert alone.summary_line().startswith("goodput ")
+    assert with_a_peer.summary_line() == "this node's " + alone.summary_line()

@@ -6,7 +6,7 @@ import zlib
 
 import pytest
 
-from elastrun.rendezvous.api import FailureRecord, NodeInfo
+from elastrun.rendezvous.api import FailureRecord, Member, NodeInfo, RoundCause
 from elastrun.rendezvous.rounds import (
     CloseInputs,
     assign_ranks,
@@ -15,8 +15,10 @@ from elastrun.rendezvous.rounds import (
     encode_result,
     format_failure,
     is_charged,
+    member_view,
     result_document,
     root_cause,
+    round_cause,
 )
 
 
@@ -93,6 +95,34 @@ def test_root_cause_is_the_earliest_failure():
     text = format_failure(cause)
     assert "rank 0" in text and "killed by SIGSEGV" in text and "boom" in text
     assert root_cause([]) is None
+
+
+def test_a_peers_error_is_not_the_root_cause_even_when_seen_first():
+    """Issue 34: rank 1 SIGKILLed, rank 0's collective failed on the closed connection; an agent that
+    finds both in one look (or another node's quicker agent) gives rank 0 the earlier time."""
+    peer = FailureRecord("n1", "h1", 0, 0, 1, None, 5.0, "RuntimeError: Connection closed by peer", peer_error=True)
+    killed = FailureRecord("n2", "h2", 1, 0, None, "SIGKILL", 5.1, "")
+    assert root_cause([peer, killed]) is killed
+    assert round_cause([peer, killed], []) == RoundCause("n2", "h2", 1, "killed by SIGKILL")
+    # Only peer errors (a real network fault): the earliest is to blame, and its node says so in full.
+    late = FailureRecord("n2", "h2", 1, 0, 1, None, 6.0, "RuntimeError: Connection reset by peer", peer_error=True)
+    assert root_cause([late, peer]) is peer
+    assert round_cause([late, peer], []) == RoundCause("n1", "h1", 0, "exit code 1")
+    # A lost node closed those connections: it is the culprit, unless a worker failed of its own error.
+    assert round_cause([peer], ["n3"]) == RoundCause("n3", "", None, "lost")
+    assert round_cause([peer, killed], ["n3"]).rank == 1
+    hang = FailureRecord("n2", "h2", 1, 0, None, "SIGKILL", 7.0, "hang detected: no heartbeat for 2.0 s")
+    assert round_cause([hang], []).what == "hung" and round_cause([], []) is None
+
+
+def test_the_culprit_travels_in_the_round_result():
+    doc = result_document(assign_ranks([NodeInfo("a", "10.0.0.1", 2)]), 1, 1, 3, None, 1, [],
+                          cause=RoundCause("b", "hb", 3, "killed by SIGKILL").to_dict())
+    got = decode_result(encode_result(doc))
+    me = Member("a", "10.0.0.1", 0, 2, 0)
+    assert member_view(1, got, [me], me, "10.0.0.1", 1).cause == RoundCause("b", "hb", 3, "killed by SIGKILL")
+    assert member_view(1, {**got, "cause": "forged"}, [me], me, "10.0.0.1", 1).cause is None
+    assert member_view(1, {k: v for k, v in got.items() if k != "cause"}, [me], me, "10.0.0.1", 1).cause is None
 
 
 def _failure(progress: bool, t: float = 1.0) -> FailureRecord:

@@ -2,8 +2,9 @@
 
 Every rank appends ``step <n> rank <r> world <w> gen <g> t <time>`` lines to $STEPS_LOG (one
 file per rank).  Options (environment): STEPS (total steps, default 1000), STEP_SECONDS (sleep
-per step), CRASH_AT_STEP + CRASH_RANK (exit 1 there, once per $CRASH_ONCE_FILE), CKPT (a path:
-rank 0 saves {"step": n} after each step, every rank resumes from it).
+per step), CRASH_AT_STEP + CRASH_RANK (exit 1 there, once per $CRASH_ONCE_FILE), CRASH_FILE + CRASH_RANK
+(exit 1 at the first step after that file appears, once per $CRASH_ONCE_FILE), CKPT (a path: rank 0 saves
+{"step": n} after each step, every rank resumes from it).
 """
 
 import json
@@ -34,8 +35,10 @@ def main() -> None:
     crash_at = int(os.environ.get("CRASH_AT_STEP", "-1"))
     crash_rank = int(os.environ.get("CRASH_RANK", "0"))
     once = os.environ.get("CRASH_ONCE_FILE")
+    crash_file = os.environ.get("CRASH_FILE")
     for step in range(start, steps):
-        if step == crash_at and rank == crash_rank and not (once and os.path.exists(once)):
+        due = step == crash_at or bool(crash_file and os.path.exists(crash_file))
+        if due and rank == crash_rank and not (once and os.path.exists(once)):
             if once:
                 open(once, "w").close()
             raise RuntimeError(f"injected failure at step {step}")

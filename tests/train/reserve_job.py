@@ -11,8 +11,10 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 import elastrun.train as et
-from elastrun.train.sharded.reserve import allocated
-from elastrun.train.snapshot import SLOTS
+from elastrun.train.slotmem import allocated
+from elastrun.train.snapshot import slots_needed
+
+SLOTS = slots_needed(checkpoints=False)  # the State below has no checkpoint directory
 
 
 def held(directory: Path, nbytes: int) -> list[int]:

@@ -240,7 +240,7 @@ def test_checkpoint_is_skipped_while_the_previous_is_still_written(tmp_path):
     state._persister.submit(lambda: release.wait(30))  # stands for a slow disk write
     with pytest.warns(UserWarning, match="checkpoint of step 6 skipped"):
         train(model, opt, sampler, state, 3, settle=False)
-        state._writer.wait()
+        state._pipe.wait()
     release.set()
     state._persister.wait()
     with warnings.catch_warnings():

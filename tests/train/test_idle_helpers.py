@@ -1,5 +1,5 @@
 """A re-form's pause and the worker's idle-priority helper threads (the snapshot copier's, the slot
-reserver's): the pause puts them back at normal priority, so that on a busy host the training and
+preparer's): the pause puts them back at normal priority, so that on a busy host the training and
 control threads never wait for the interpreter lock on a thread that gets no CPU."""
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import time
 import pytest
 
 from elastrun.protocol import Pause
-from elastrun.train import copier
+from elastrun.train import copier, snapshot
 from elastrun.train.reform import Link
-from elastrun.train.sharded import reserve
 
 
 def _policy_becomes(tid: int, policy: int, timeout: float = 10.0) -> bool:
@@ -39,8 +38,8 @@ class _BlockedJob:
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
 def test_a_pause_puts_the_idle_priority_helpers_back_at_normal_priority(tmp_path, monkeypatch):
     reserving = _BlockedJob()
-    monkeypatch.setattr(reserve, "reserve_now", lambda paths, nbytes: reserving._work())
-    reserve.reserve([tmp_path / "slot"], 1 << 20)
+    monkeypatch.setattr(snapshot, "fallocate", lambda fd, nbytes: reserving._work())
+    snapshot.MemorySnapshots(tmp_path, "job").prepare(1 << 20)  # host-memory slots: allocated at idle priority
     copying = _BlockedJob()
     copier._IDLE_WORKER.give(copying)  # the process's one helper thread, as a copy starts it
     try:

@@ -465,9 +465,10 @@ def test_fsdp_survivor_keeps_its_process_bit_for_bit(work, procs):
 
 
 def test_slot_memory_is_allocated_before_the_commits_that_fill_it(tmp_path):
-    """A rank's four slot files get their memory in the background as soon as its shard's size is
-    known (its first commit, or a restore into a node that has only the restored snapshot), so the
-    next commits write into allocated pages instead of faulting each one in (``reserve.py``)."""
+    """A rank's slot files (three without checkpoints) get their memory in the background as soon as
+    its shard's size is known (its first commit, or a restore into a node that has only the restored
+    snapshot), so the next commits write into allocated pages instead of faulting each one in
+    (``slotmem.py``)."""
     out = tmp_path / "out"
     out.mkdir()
     script = Path(__file__).with_name("reserve_job.py")
@@ -476,7 +477,7 @@ def test_slot_memory_is_allocated_before_the_commits_that_fill_it(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["source"] == "memory", got
-    assert all(n >= got["nbytes"] for n in got["after_commit"]), got  # one slot written, four allocated
+    assert len(got["after_commit"]) == 3 and all(n >= got["nbytes"] for n in got["after_commit"]), got
     assert all(n >= got["nbytes"] for n in got["after_restore"]), got
 
 

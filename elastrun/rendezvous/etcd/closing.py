@@ -21,6 +21,7 @@ from elastrun.rendezvous.rounds import (
     encode_result,
     judge_round_end,
     result_document,
+    round_cause,
 )
 
 
@@ -83,6 +84,7 @@ class Closing(HandlerBase):
         members = assign_ranks([NodeInfo.from_json(kv.value) for kv in joiners[:size]])
         causes = {n: marks.get(n, "silence") for n in lost} if prev_doc is not None else {}
         generation, used, abort, abort_code, streak = 0, 0, None, 1, 0
+        extra: dict[str, Any] = {}
         if prev_doc is not None:
             generation = int(prev_doc["generation"]) + 1
             used = int(prev_doc.get("restarts_used", 0))
@@ -93,9 +95,12 @@ class Closing(HandlerBase):
                                       self.params.max_restarts, self.params.crash_loop_limit)
             used, streak = verdict.restarts_used, verdict.no_progress_streak
             abort, abort_code = verdict.abort, verdict.abort_code
+            cause = round_cause(failures, lost)
+            if cause is not None:
+                extra["cause"] = cause.to_dict()
         doc = encode_result(result_document(members, generation, used, self.params.max_restarts, abort, abort_code,
                                          lost, no_progress_streak=streak,
-                                         lost_causes=causes))
+                                         lost_causes=causes, **extra))
         def put(key: str, value: str) -> dict[str, Any]:
             return op_put(key, self._seal(key, value), self._job_lease)
 

@@ -12,7 +12,15 @@ import dataclasses
 import time
 from typing import Any
 
-from elastrun.rendezvous.api import JobFailedError, JobFinishedError, Member, NodeInfo, RendezvousError, RoundResult
+from elastrun.rendezvous.api import (
+    JobFailedError,
+    JobFinishedError,
+    Member,
+    NodeInfo,
+    RendezvousError,
+    RoundCause,
+    RoundResult,
+)
 from elastrun.rendezvous.endpoint import host_worker_store
 from elastrun.rendezvous.etcd.base import HandlerBase, Reregister, first_kv, one_key_end
 from elastrun.rendezvous.etcd.client import KV, cmp_absent, op_put, op_range, prefix_end
@@ -220,7 +228,8 @@ class Joining(HandlerBase):
         self._watch_as_closer(round_, False)
         doc = decode_result(found)
         if doc.get("abort"):
-            raise JobFailedError("the job was ended", doc["abort"], int(doc.get("abort_code", 1)))
+            raise JobFailedError("the job was ended", doc["abort"], int(doc.get("abort_code", 1)),
+                                 RoundCause.from_dict(doc.get("cause")))
         return doc
 
 

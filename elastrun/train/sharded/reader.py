@@ -36,6 +36,7 @@ from torch.futures import Future
 
 from elastrun.train import dist as edist
 from elastrun.train import snapclient
+from elastrun.train.blob import as_bytes
 from elastrun.train.sharded import slots
 from elastrun.train.sharded.fetch import (
     FileRef,
@@ -144,6 +145,7 @@ def read_items(
     """
     wants: list[Want] = []
     pending: list[tuple[ReadItem, Location, torch.Tensor, bool, torch.Tensor | None]] = []
+    onto_device: dict[Path, list[tuple[ReadItem, torch.Tensor, int, int]]] = {}  # own files -> GPU targets
     error: BaseException | None = None
     for item in plan.items:
         loc = where[item.storage_index]
@@ -153,20 +155,35 @@ def read_items(
                 start, nbytes, exact = loc.offset, loc.nbytes, True
             else:
                 start, nbytes, exact = _region(loc, item)
-            if isinstance(source, LocalFile):
-                _land(planner, item, loc, source.view(start, nbytes), exact)
-                continue
             target = None if item.type == LoadItemType.BYTE_IO else planner.resolve_tensor(item).detach()
             direct = (
                 target is not None and exact and target.is_contiguous() and target.dtype == getattr(torch, loc.dtype)
                 and target.numel() * target.element_size() == nbytes
             )  # fmt: skip
+            if isinstance(source, LocalFile):
+                if direct and target is not None and target.device.type == "cuda" and source.sums is None:
+                    onto_device.setdefault(source.path, []).append((item, target, start, nbytes))
+                else:
+                    _land(planner, item, loc, source.view(start, nbytes), exact)
+                continue
             into = target.reshape(-1).view(torch.uint8) if direct else torch.empty(nbytes, dtype=torch.uint8)
             wants.append(Want(source, loc.ref, start, nbytes, into))
             pending.append((item, loc, into, exact, target if direct else None))
         except (OSError, ValueError, KeyError) as e:
             failed.add((resolver.me, loc.ref))
             error = error or e
+    if onto_device:  # this node's own files onto the GPU through page-locked buffers (``gpu/load.py``)
+        from elastrun.train.gpu import load
+
+        for path, items in onto_device.items():
+            try:
+                load.load([load.Piece(as_bytes(t), start, n) for _, t, start, n in items], path)
+            except OSError as e:  # raised after the exchange below, which the other ranks wait in
+                failed.add((resolver.me, where[items[0][0].storage_index].ref))
+                error = error or e
+                continue
+            for item, t, _, _ in items:
+                planner.commit_tensor(item, t)
     transport.fetch(wants, resolver.serve)
     if error is not None:
         raise error

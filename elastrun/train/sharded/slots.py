@@ -75,14 +75,17 @@ class ShardSlots(MemorySnapshots):
     def _meta_path(self, slot: int) -> Path:
         return self.dir / f"{self._prefix}.{slot}.meta"
 
-    def begin(self, nbytes: int) -> tuple[int, torch.Tensor, memoryview]:
+    def begin(self, nbytes: int, ready_only: bool = False) -> tuple[int, torch.Tensor, memoryview] | None:
         # A slot file pruned by another process (a stale world's file of the same name) is mapped
         # again: writing into an unlinked file would publish a snapshot nobody can read.
-        for slot, m in list(self._maps.items()):
-            if os.fstat(m.fd).st_nlink == 0:
-                m.close()
-                del self._maps[slot]
-        return super().begin(nbytes)
+        with self._lock:
+            for slot, m in list(self._maps.items()):
+                if slot not in self._preparing and os.fstat(m.fd).st_nlink == 0:
+                    m.close()
+                    del self._maps[slot]
+                    if self._prepared_for:
+                        self._prepared_for = 0  # made ready again at the next prepare()
+        return super().begin(nbytes, ready_only)
 
 
 @dataclass(frozen=True)

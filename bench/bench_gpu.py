@@ -1,0 +1,318 @@
+"""GPU benchmark of elastrun.train: what ``commit()`` costs beside the step, the copy rates, restores,
+and a crash to the next step, side by side with no snapshot and with torch DCP's ``async_save``.
+
+For each model (``gpu_models.py``: 126M and 336M parameters) and mode (DDP, FSDP2), in one process
+on one GPU (NCCL, world size 1), blocks of steps each ended by a device synchronise:
+
+* ``plain``: no ``elastrun.train`` (blocks of it alternate with the blocks below: each overhead is the
+  median ratio of such pairs);
+* ``default``: ``State`` at its defaults (snapshots spaced from their measured cost), measured once
+  the spacing has settled; the spacing chosen and its figures;
+* ``every1``: ``State(snapshot_every=1)``;
+* ``dcp``: ``dcp.async_save`` of the same state every as many steps as the default chose, staged
+  in pinned shared memory (``DefaultStager``), written to ``/dev/shm``; the optimizer's pre-hook
+  waits for its staging, as ``State``'s waits for its copy;
+* ``restore``: a second ``State`` restoring the last snapshot from node memory onto the GPU.
+
+Then the raw rates (device to host into a page-locked and a pageable ``/dev/shm`` mapping; host
+to device through ``gpu/load.py``), and a crash: ``gpu_job.py`` under ``elastrun --standalone``,
+SIGKILLed after 50 commits, timed from the kill to its replacement's first finished step.
+
+Usage: ``python bench/bench_gpu.py [--models 126M,336M] [--modes ddp,fsdp] [--out results.json]``.
+Every part is bounded; a part that fails is reported and the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import elastrun.train as et  # noqa: E402
+from bench.gpu_models import batch, build, state_bytes, step  # noqa: E402
+
+SHM = Path("/dev/shm")
+#: Pairs of blocks (without, with commit()) per measurement.
+ROUNDS = 3
+
+
+def block(n: int, fn) -> float:
+    """Seconds per call of ``fn`` over ``n`` calls, the training stream synchronised at both ends.
+
+    Not the whole device: a snapshot's copy still on the side stream at a block's end is not time
+    the training waits for (it overlaps the next steps).  ``torch.cuda.synchronize()`` here charged
+    up to one whole copy per block to the block (measured on the H200: up to 7 ms a step for the
+    336M model in blocks of 16 steps)."""
+    torch.cuda.current_stream().synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.current_stream().synchronize()
+    return (time.perf_counter() - t) / n
+
+
+def until(predicate, fn, most: int) -> int:
+    """Call ``fn`` until ``predicate()`` (at most ``most`` times); returns the calls made."""
+    for i in range(most):
+        if predicate():
+            return i
+        fn()
+    return most
+
+
+def measure(name: str, mode: str, steps: int, parts: set[str]) -> dict:
+    out: dict = {"model": name, "mode": mode}
+    model, opt = build(name, mode)
+    x = batch(name)
+    for _ in range(3):
+        step(model, opt, x)
+    out["state_gb"] = state_bytes(model, opt) / 1e9
+    plain = block(steps, lambda: step(model, opt, x))
+    out["plain_ms"] = plain * 1e3
+
+    def trained(state: et.State):
+        def one() -> None:
+            step(model, opt, x)
+            state.commit()
+        return one
+
+    work = Path(tempfile.mkdtemp(prefix="bench-gpu-", dir=SHM))
+    try:
+        # -- default settings: spaced by their measured cost ------------------------------------
+        began = time.perf_counter()
+        state = et.State(model=model, optimizer=opt, snapshot_dir=work / "default", handle_signals=False)
+        pipe = state._pipe
+        warm = until(lambda: pipe.meter is not None and pipe.meter.samples >= 3, trained(state), 400)
+        out["settle_steps"], out["settle_s"] = warm, time.perf_counter() - began
+        # Blocks with and without commit() alternate; the overhead is the median of each pair's ratio,
+        # so that the card's drift (clocks, temperature) does not land on one side.
+        pairs = [(block(steps, lambda: step(model, opt, x)), block(steps, trained(state))) for _ in range(ROUNDS)]
+        out["pairs_ms"] = [(round(p * 1e3, 2), round(c * 1e3, 2)) for p, c in pairs]
+        out["default_ms"] = statistics.median(c for _, c in pairs) * 1e3
+        out["default_ratio"] = statistics.median(c / p for p, c in pairs)
+        m = pipe.meter
+        out["every"] = pipe.every_now
+        out["spacing"] = pipe.said
+        if m is not None:
+            out.update(step_s=m.step_s, cost_s=m.cost_s, copy_s=m.copy_s, staged=m.staged,
+                       d2h_gbps=(m.nbytes / m.copy_s / 1e9) if m.copy_s else None)
+        out["deferred"] = pipe.deferred
+        out["pinned"] = not pipe._unpinned
+        state.flush()
+        every = max(1, int(out["every"]))
+        # -- restore from node memory onto the GPU ------------------------------------------------
+        if "restore" in parts:
+            again = et.State(model=model, optimizer=opt, snapshot_dir=work / "default", handle_signals=False)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            source = again.restore()
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t
+            out.update(restore_source=source, restore_step=again.step, restore_s=seconds,
+                       restore_gbps=out["state_gb"] / seconds)  # fmt: skip
+            again.close()
+        state.close()
+        # -- a snapshot of every step --------------------------------------------------------------
+        if "every1" in parts:
+            state = et.State(model=model, optimizer=opt, snapshot_dir=work / "every1", snapshot_every=1,
+                             handle_signals=False)  # fmt: skip
+            until(lambda: len(state._mem.scan()) >= 2, trained(state), 400)
+            pairs = [(block(steps, lambda: step(model, opt, x)), block(steps, trained(state)))
+                     for _ in range(ROUNDS)]  # fmt: skip
+            out["every1_ms"] = statistics.median(c for _, c in pairs) * 1e3
+            out["every1_ratio"] = statistics.median(c / p for p, c in pairs)
+            out["every1_deferred"] = state._pipe.deferred
+            state.close()
+        # -- torch DCP async_save, at the default's spacing ----------------------------------------
+        if "dcp" in parts:
+            try:
+                plain_ms = block(steps, lambda: step(model, opt, x)) * 1e3
+                out["dcp_ms"] = dcp_async(model, opt, x, work / "dcp", every, steps) * 1e3
+                out["dcp_ratio"] = out["dcp_ms"] / plain_ms
+            except Exception as e:  # reported, the rest goes on
+                out["dcp_error"] = f"{type(e).__name__}: {e}"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for k in ("default", "every1", "dcp"):
+        if f"{k}_ratio" in out:
+            out[f"{k}_overhead_pct"] = (out[f"{k}_ratio"] - 1) * 100
+    return out
+
+
+def dcp_async(model, opt, x, where: Path, every: int, steps: int) -> float:
+    """Seconds per step with ``dcp.async_save`` every ``every`` steps (pinned shared-memory staging)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(True, True, True, True))
+    pending: dict = {"staging": None, "upload": None}
+
+    def hook(*_):
+        if pending["staging"] is not None:
+            pending["staging"].result()  # the parameters are about to change
+            pending["staging"] = None
+
+    handle = opt.register_step_pre_hook(hook)
+    count = [0]
+
+    def one() -> None:
+        step(model, opt, x)
+        count[0] += 1
+        if count[0] % every == 0:
+            if pending["upload"] is not None:
+                pending["upload"].result()
+            tensors = {f"{i}.{k}": v for i, s in enumerate(opt.state.values()) for k, v in s.items()}
+            resp = dcp.async_save({"model": dict(model.state_dict()), "optim": tensors},
+                                  checkpoint_id=str(where / str(count[0])), async_stager=stager)  # fmt: skip
+            if hasattr(resp, "staging_completion"):
+                pending["staging"], pending["upload"] = resp.staging_completion, resp.upload_completion
+            else:
+                pending["upload"] = resp
+
+    try:
+        for _ in range(2 * every):
+            one()
+        return block(max(steps // 2, 2 * every), one)
+    finally:
+        hook()
+        if pending["upload"] is not None:
+            pending["upload"].result()
+        handle.remove()
+        stager.close()
+
+
+def rates(nbytes: int = 4 << 30) -> dict:
+    """Device <-> host rates: into a page-locked and a pageable ``/dev/shm`` mapping, and back
+    through ``gpu/load.py``'s page-locked lanes and a plain pageable copy."""
+    from elastrun.train.gpu import load
+    from elastrun.train.gpu.device import CudaDevice
+    from elastrun.train.slotmem import SlotMemory
+
+    out: dict = {}
+    dev = CudaDevice(torch.cuda.current_device())
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(7)
+    d = Path(tempfile.mkdtemp(prefix="bench-rates-", dir=SHM))
+    try:
+        t = time.perf_counter()
+        pinned = SlotMemory.make(d / "pinned", nbytes, dev)
+        out["make_pinned_s"] = time.perf_counter() - t
+        out["pinned"] = pinned.pinned
+        plain = SlotMemory.make(d / "plain", nbytes)
+        for label, mem in (("d2h_pinned_gbps", pinned), ("d2h_pageable_gbps", plain)):
+            host = torch.frombuffer(mem.mm, dtype=torch.uint8)
+            s = torch.cuda.Stream()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            with torch.cuda.stream(s):
+                host.copy_(src, non_blocking=True)
+            s.synchronize()
+            out[label] = nbytes / (time.perf_counter() - t) / 1e9
+            del host
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        load.load([load.Piece(dst, 0, nbytes)], d / "plain")
+        torch.cuda.synchronize()
+        out["h2d_lanes_gbps"] = nbytes / (time.perf_counter() - t) / 1e9
+        assert bool((dst[:: 1 << 20] == 7).all()), "the loaded bytes differ"
+        host = torch.frombuffer(plain.mm, dtype=torch.uint8)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(host)
+        torch.cuda.synchronize()
+        out["h2d_pageable_gbps"] = nbytes / (time.perf_counter() - t) / 1e9
+        del host
+        pinned.close()
+        plain.close()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def crash(model: str, mode: str, timeout: float = 240.0) -> dict:
+    """``gpu_job.py`` under ``elastrun --standalone``, SIGKILLed after 50 commits: kill -> next step."""
+    work = Path(tempfile.mkdtemp(prefix="bench-crash-"))
+    log = work / "steps.jsonl"
+    cmd = [sys.executable, "-m", "elastrun", "--standalone", "--nproc-per-node=1", "--max-restarts=1",
+           f"--log-dir={work / 'logs'}", str(REPO / "bench" / "gpu_job.py"), "--model", model, "--mode", mode,
+           "--log", str(log)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=work)
+    out: dict = {"model": model, "mode": mode, "rc": proc.returncode, "wall_s": time.perf_counter() - t}
+    try:
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        kill = next(r for r in records if r["event"] == "kill")
+        after = [r for r in records if r["attempt"] == 1]
+        restored = next(r for r in after if r["event"] == "restored")
+        first = next(r for r in after if r["event"] == "step")
+        out.update(kill_step=kill["step"], every=kill.get("every"), restore_source=restored["source"],
+                   restored_step=restored["step"], restore_s=restored["seconds"],
+                   crash_to_step_s=first["t"] - kill["t"])  # fmt: skip
+    except (OSError, StopIteration, ValueError, KeyError) as e:
+        out["error"] = f"{type(e).__name__}: {e}; {proc.stderr[-1500:]}"
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", default="126M,336M")
+    p.add_argument("--modes", default="ddp,fsdp")
+    p.add_argument("--pairs", default="", help="model:mode,... (instead of every model x mode)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--parts", default="restore,every1,dcp", help="beside the default: restore, every1, dcp")
+    p.add_argument("--crash", default="336M:ddp", help="model:mode of the crash measurement ('' to skip)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": []}
+
+    def save() -> None:
+        if a.out:
+            Path(a.out).write_text(json.dumps(results, indent=1))
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    # DCP's async_save needs a CPU backend beside NCCL (its own collectives run on a thread).
+    dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    pairs = ([tuple(s.split(":")) for s in a.pairs.split(",")] if a.pairs else
+             [(m, k) for m in a.models.split(",") for k in a.modes.split(",")])  # fmt: skip
+    for name, mode in pairs:
+        try:
+            r = measure(name, mode, a.steps, set(a.parts.split(",")))
+        except Exception:
+            r = {"model": name, "mode": mode, "error": traceback.format_exc()[-2000:]}
+        torch.cuda.empty_cache()
+        results["runs"].append(r)
+        print(json.dumps(r), flush=True)
+        save()
+    try:
+        results["rates"] = rates()
+    except Exception:
+        results["rates"] = {"error": traceback.format_exc()[-2000:]}
+    print(json.dumps(results["rates"]), flush=True)
+    save()
+    dist.destroy_process_group()
+    if a.crash:
+        model, mode = a.crash.split(":")
+        results["crash"] = crash(model, mode)
+        print(json.dumps(results["crash"]), flush=True)
+        save()
+
+
+if __name__ == "__main__":
+    main()

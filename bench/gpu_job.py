@@ -1,0 +1,64 @@
+"""One worker of ``bench_gpu.py``'s crash measurement: a GPU model under elastrun, ``elastrun.train``
+at its defaults, SIGKILLed once after ``--crash-at`` commits.
+
+Appends JSON lines to ``--log``: ``kill`` (when it killed itself), ``restored`` (source, step, seconds
+in ``restore()``) and ``step`` (the first steps of each worker, once finished on the device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import elastrun.train as et  # noqa: E402
+from bench.gpu_models import batch, build, step  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="336M")
+    p.add_argument("--mode", default="ddp")
+    p.add_argument("--steps", type=int, default=70)
+    p.add_argument("--crash-at", type=int, default=50)
+    p.add_argument("--log", required=True)
+    a = p.parse_args()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def log(**record) -> None:
+        with open(a.log, "a") as f:
+            f.write(json.dumps({"attempt": attempt, "t": time.time(), **record}) + "\n")
+
+    et.init_distributed()
+    model, opt = build(a.model, a.mode)
+    x = batch(a.model)
+    state = et.State(model=model, optimizer=opt, handle_signals=False)
+    began = time.perf_counter()
+    source = state.restore()
+    torch.cuda.synchronize()
+    log(event="restored", source=source, step=state.step, seconds=time.perf_counter() - began)
+    first = 0
+    while state.step < a.steps:
+        step(model, opt, x)
+        state.commit()
+        if first < 3:
+            first += 1
+            torch.cuda.synchronize()
+            log(event="step", step=state.step)
+        if attempt == 0 and state.step == a.crash_at:
+            torch.cuda.synchronize()
+            log(event="kill", step=state.step, every=state._pipe.every_now)
+            os.kill(os.getpid(), signal.SIGKILL)
+    state.close()
+
+
+if __name__ == "__main__":
+    main()

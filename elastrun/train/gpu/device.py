@@ -1,0 +1,162 @@
+"""The device seam of the snapshot pipeline: streams, events, copies and page-locked memory.
+
+The pipeline orders its copies against training with events, never with a wait on the whole
+device: the training stream (whatever stream is current when ``commit()`` runs) records an event,
+the pipeline's side stream waits for it on the device, copies, and records its own; the training
+stream waits for that one (again on the device) only before ``optimizer.step()`` changes what is
+being copied.  The host waits for a copy only to publish it, on a helper thread::
+
+    ready = dev.record()                  # the training stream, just after optimizer.step()
+    dev.wait(ready, dev.side)             # the side stream starts from there
+    dev.copy([dst], [src], dev.side)      # queued on the device, not run
+    done = dev.record(dev.side)
+    dev.wait(done)                        # in the optimizer's pre-hook: the device waits, not the host
+    while not dev.done(done): ...         # a helper thread, before it publishes the snapshot
+
+:class:`CudaDevice` is the one implementation; the unit tests drive a stand-in with the same
+methods (``tests/train/fake_device.py``) to check what waits for what.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+
+#: Left free on the device beyond a staging buffer: at least this much, or a tenth of the card.
+STAGING_MARGIN = 2 << 30
+
+
+class Device(abc.ABC):
+    """One accelerator of this process, as the snapshot pipeline uses it."""
+
+    #: The pipeline's own stream.
+    side: Any
+    #: What :meth:`pin` and :meth:`staging` last refused, for the one warning line that says so.
+    why_not: str = ""
+
+    @abc.abstractmethod
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives on this device (its copies are this seam's)."""
+
+    @abc.abstractmethod
+    def record(self, stream: Any = None) -> Any:
+        """An event at the point ``stream`` (default: the current one) has reached in its queue."""
+
+    @abc.abstractmethod
+    def wait(self, event: Any, stream: Any = None) -> None:
+        """Make ``stream`` (default: the current one) wait, on the device, for ``event``."""
+
+    @abc.abstractmethod
+    def done(self, event: Any) -> bool:
+        """Whether the device has passed ``event`` (never blocks)."""
+
+    @abc.abstractmethod
+    def seconds(self, start: Any, end: Any) -> float:
+        """Device time from ``start`` to ``end`` (both passed)."""
+
+    @abc.abstractmethod
+    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor], stream: Any) -> None:
+        """Queue ``dst[i] <- src[i]`` (same byte sizes) on ``stream``; returns at once when the host
+        side of each copy is a device buffer or page-locked memory."""
+
+    @abc.abstractmethod
+    def staging(self, nbytes: int) -> torch.Tensor | None:
+        """A ``uint8`` buffer of ``nbytes`` on the device, or None when the card has no room for one
+        beside training (the reason in :attr:`why_not`)."""
+
+    @abc.abstractmethod
+    def pin(self, address: int, nbytes: int) -> bool:
+        """Page-lock host memory for copies at the device's speed (False, reason in :attr:`why_not`)."""
+
+    @abc.abstractmethod
+    def unpin(self, address: int) -> None:
+        """Undo :meth:`pin` (before the memory is unmapped)."""
+
+    def activate(self) -> None:
+        """Make the calling (helper) thread use this device."""
+
+
+class CudaDevice(Device):
+    """One CUDA device (``index``) through torch."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.side = torch.cuda.Stream(device=index)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cuda"
+
+    def record(self, stream: Any = None) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream if stream is not None else torch.cuda.current_stream(self.index))
+        return event
+
+    def wait(self, event: Any, stream: Any = None) -> None:
+        (stream if stream is not None else torch.cuda.current_stream(self.index)).wait_event(event)
+
+    def done(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1000.0
+
+    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor], stream: Any) -> None:
+        if not dst:
+            return
+        with torch.cuda.stream(stream):
+            if all(d.device.type == "cuda" for d in dst) and hasattr(torch, "_foreach_copy_"):
+                torch._foreach_copy_(dst, src, non_blocking=True)  # few kernels for many tensors
+            else:
+                for d, s in zip(dst, src, strict=True):
+                    d.copy_(s, non_blocking=True)
+
+    def staging(self, nbytes: int) -> torch.Tensor | None:
+        """Room is what the device has free plus what torch's allocator holds beyond the peak the
+        steps so far used, less a margin (2 GiB or a tenth of the card): the buffer must never be
+        what makes a later step run out of memory."""
+        free, total = torch.cuda.mem_get_info(self.index)
+        slack = max(0, torch.cuda.memory_reserved(self.index) - torch.cuda.max_memory_allocated(self.index))
+        room = free + slack - max(STAGING_MARGIN, total // 10)
+        if nbytes > room:
+            self.why_not = (f"the card has {max(room, 0) / 1e9:.1f} GB to spare beside training, the state needs "
+                            f"{nbytes / 1e9:.1f} GB")  # fmt: skip
+            return None
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", self.index))
+        except torch.cuda.OutOfMemoryError as e:
+            self.why_not = f"allocating it failed ({str(e).splitlines()[0]})"
+            return None
+
+    def pin(self, address: int, nbytes: int) -> bool:
+        rc = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))  # 1: cudaHostRegisterPortable
+        if rc != 0:
+            try:
+                name = torch.cuda.cudart().cudaGetErrorString(rc)
+            except (AttributeError, RuntimeError, TypeError):
+                name = ""
+            self.why_not = f"cudaHostRegister refused it (error {rc}{': ' + str(name) if name else ''})"
+            return False
+        return True
+
+    def unpin(self, address: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(address)
+
+    def activate(self) -> None:
+        torch.cuda.set_device(self.index)
+
+
+_devices: dict[int, CudaDevice] = {}
+
+
+def device_of(tensors: list[torch.Tensor]) -> Device | None:
+    """The device the snapshot pipeline copies ``tensors`` from (the first CUDA one's), or None
+    when all of them are in host memory."""
+    for t in tensors:
+        if t.device.type == "cuda":
+            index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+            if index not in _devices:
+                _devices[index] = CudaDevice(index)
+            return _devices[index]
+    return None
