@@ -224,6 +224,8 @@ def lose_and_join(work: Path, procs, nodes: int, extra: list[str], node_env: lis
         others[-1].wait(10)
         wait_for(lambda: attempts(nodes - 1, full), 90, "the shrink")
         shrink = min(attempts(nodes - 1, full))
+        # rank 0's restore record may come after another rank's: wait for it, then for 6 steps past it
+        wait_for(lambda: (shrink, 0) in restores(out), 60, "rank 0's restore after the shrink")
         wait_for(lambda: max(committed_steps(out)) >= restores(out)[(shrink, 0)]["step"] + 6, 60, "progress")
         hold.touch()
         agent("joiner", nodes - 1)
