@@ -162,9 +162,11 @@ class Closing(StoreClient):
                 raise self.store_lost_error(self._error)
             if now >= next_check:
                 self._check_job_ended()
-                joined = self._count(self._r(round_, "joined"))
-                if joined >= self.min_nodes and min_reached is None:
-                    min_reached = now
+                # The previous members accounted for are read before ``joined``: a rejoiner takes its
+                # ``joined`` slot before it counts itself ``rejoined``, so every rejoiner counted here is
+                # in the count read next.  Read the other way round, a member rejoining between the two
+                # reads was counted as accounted for but not admitted: the round closed without that
+                # live member, and the next change came at once (a round of the others, then one more).
                 accounted = 0
                 if prev is not None:
                     accounted = (
@@ -172,6 +174,9 @@ class Closing(StoreClient):
                         + self._count(self._r(round_ - 1, "gone"))
                         + self._count(self._r(round_ - 1, "done"))
                     )
+                joined = self._count(self._r(round_, "joined"))
+                if joined >= self.min_nodes and min_reached is None:
+                    min_reached = now
                 inputs = CloseInputs(
                     joined=joined,
                     min_nodes=self.min_nodes,

@@ -206,10 +206,23 @@ def _compare(job: Job) -> tuple[dict[str, tuple[float, float]], float]:
     return pairs, gp.device_seconds
 
 
+def faults_seen(job: Job) -> str:
+    """The faults computed, then every worker failure the agents logged with its last words: what an
+    unexpected fault count needs (a worker that failed on its own, and why)."""
+    lines = [f"faults: {[f.label for f in load(job.log_dir).faults]}", "worker failures the agents logged:"]
+    for e in read_log_dir(job.log_dir):
+        if e["event"] == "worker_failure":
+            how = e.get("signal") or f"exit code {e.get('exitcode')}"
+            lines.append(f"  {e['ts']:.2f} {e['node']} round {e.get('round')} rank {e.get('rank')} {how}"
+                         f" peer_error={e.get('peer_error')}: {str(e.get('message') or '')[-800:]}")
+    lines.append("injections: " + ", ".join(f"{i.kind} at {i.t:.2f}" for i in job.injections))
+    return "\n".join(lines)
+
+
 def test_goodput_and_each_cause_match_what_the_workers_saw(job: Job) -> None:
     pairs, total = _compare(job)
     gp = load(job.log_dir)
-    assert len(gp.faults) == 4, [f.label for f in gp.faults]
+    assert len(gp.faults) == 4, faults_seen(job)
     kinds = [f.kind for f in gp.faults]
     assert kinds == ["worker_failure", "join", "hang", "node_lost"], kinds
     report = "\n".join(f"{k:24s} computed {c:8.2f}  workers saw {t:8.2f}  error {100 * abs(c - t) / total:5.2f} %"
@@ -236,7 +249,7 @@ def test_the_cli_prints_the_breakdown_and_json(job: Job) -> None:
     assert "goodput:" in text.stdout and "fault 4 at" in text.stdout, text.stdout
     doc = json.loads(subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60,
                                     env=base_env()).stdout)
-    assert [f["kind"] for f in doc["faults"]] == ["worker_failure", "join", "hang", "node_lost"]
+    assert [f["kind"] for f in doc["faults"]] == ["worker_failure", "join", "hang", "node_lost"], faults_seen(job)
     assert doc["basis"] == "steps"
     assert 0 < doc["goodput_ratio"] < 1
     parts = doc["goodput_seconds"] + sum(doc["badput_seconds"].values())
@@ -271,7 +284,7 @@ def test_the_timeline_page_works_in_a_real_browser(job: Job, tmp_path: Path) -> 
         expected = spans[0].get_attribute("data-tip")
         assert tip.text.split() == expected.split() and " s to " in tip.text and "goodput" in tip.text, tip.text
         rows = driver.find_elements(By.CSS_SELECTOR, "#faults tr.fault")
-        assert len(rows) == len(gp.faults) == 4
+        assert len(rows) == len(gp.faults) == 4, faults_seen(job)
         for row, fault in zip(rows, gp.faults, strict=True):
             assert fault.label in row.text and f"{fault.total:.1f}" in row.text, row.text
         assert gp.faults and driver.find_element(By.CSS_SELECTOR, "p.goodput").text.startswith("goodput ")
