@@ -50,6 +50,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
         torch.cuda.set_device(device)
     backend = backend or ("nccl" if use_cuda else "gloo")
     timeout = timedelta(seconds=timeout_s)
+    _one_rank_prefix()
     if "WORLD_SIZE" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
@@ -65,6 +66,25 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
             _forget_failed_init()
             raise
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+#: ``sys.excepthook`` as it was before this process's first process group (see :func:`_one_rank_prefix`).
+_hook_before_groups: list = []
+
+
+def _one_rank_prefix() -> None:
+    """Keep one ``[rankN]:`` prefix on an uncaught traceback's lines, however many groups were set up.
+
+    torch's ``init_process_group`` wraps ``sys.excepthook`` in one that prefixes each line with the
+    group's rank, and never unwraps it.  A worker kept through re-forms (``elastrun.train.run``) sets
+    up one group per re-form, so its last traceback had one prefix per re-form (dozens were seen under
+    churn), and the agent, which reads a worker's error with one prefix stripped, could no longer find
+    the exception in it.  Before each set-up, torch's earlier wrapper is put back to the hook it wrapped.
+    """
+    if not _hook_before_groups:
+        _hook_before_groups.append(sys.excepthook)
+    elif getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
+        sys.excepthook = _hook_before_groups[0]
 
 
 def _forget_failed_init() -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from tests.harness import base_env
+from tests.harness import base_env, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -109,3 +109,30 @@ def test_a_change_during_a_re_form_s_set_up_keeps_the_survivor_and_the_job_steps
     assert failures == [(1, None, "SIGKILL"), (1, 3, None)], failures
     assert [e["kept"] for e in events if e["event"] == "reform"] == [[0]], out[-6000:]  # the last re-form completed
     assert "done rank 0 step 40" in out and "done rank 1 step 40" in out
+
+
+REPEATED = """
+import os, sys, torch.distributed as dist
+from elastrun.train.dist import init_distributed
+for port in sys.argv[1:]:
+    os.environ["MASTER_PORT"] = port
+    init_distributed("gloo", timeout_s=20.0)
+    dist.destroy_process_group()
+raise ValueError("the script's own error")
+"""
+
+
+def test_a_traceback_after_many_groups_carries_one_rank_prefix(tmp_path):
+    """torch wraps ``sys.excepthook`` at every ``init_process_group`` to prefix lines with the rank;
+    a worker kept through 3 re-forms printed ``[rank0]: [rank0]: [rank0]: Traceback ...`` and the
+    agent, stripping one prefix, could not find the exception.  Each line must carry exactly one."""
+    ports = [str(free_port()) for _ in range(3)]
+    env = dict(os.environ, PYTHONPATH=str(REPO), WORLD_SIZE="1", RANK="0", MASTER_ADDR="127.0.0.1",
+               TORCH_CPP_LOG_LEVEL="ERROR")
+    done = subprocess.run([sys.executable, "-c", REPEATED, *ports], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert "[rank0]: Traceback (most recent call last):" in lines, done.stderr
+    assert "[rank0]: ValueError: the script's own error" in lines, done.stderr
+    assert not [line for line in lines if line.startswith("[rank0]: [rank0]:")], done.stderr
