@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from elastrun.peer.replicas import Sums, verify
 from elastrun.train import dist as edist
+from elastrun.train.gpu.load import Piece, load
 from elastrun.train.snapclient import STREAMS, Get, fetch, writable
 
 
@@ -176,8 +177,10 @@ class GroupTransport(PeerTransport):
 class ServerTransport(PeerTransport):
     """From the snapshot servers of the holders' nodes (``elastrun/agent/snapserver.py``): one
     connection per server, requests pipelined, each range received straight into its destination
-    (a CPU tensor; a GPU destination through a host buffer).  Not collective: a rank that needs
-    nothing sends nothing.
+    (a CPU tensor; a GPU destination into one host buffer for all of them, which then goes onto the
+    GPU through the page-locked lanes of ``elastrun/train/gpu/load.py``: no page-locking of a fresh
+    buffer per range, copies at the card's speed).  Not collective: a rank that needs nothing sends
+    nothing.
 
     ``servers``: rank -> its node's server address; ``files``: ``(holder rank, file)`` -> where the
     file is on that node (``""`` or ``replicas/<source>``), its slot name and its meta's CRC.
@@ -199,35 +202,41 @@ class ServerTransport(PeerTransport):
         for w in wants:
             if w.nbytes:
                 by_server.setdefault(self.servers[w.holder], []).append(w)
+        # Ranges bound for a GPU land in one host buffer first; onto the GPU at the end, all at once.
+        staged: dict[int, torch.Tensor] = {}
+        pieces: list[Piece] = []
+        on_gpu = [w for w in wants if w.nbytes and w.into.device.type != "cpu"]
+        host = torch.empty(sum(w.nbytes for w in on_gpu), dtype=torch.uint8)
+        at = 0
+        for w in on_gpu:
+            staged[id(w)] = host[at : at + w.nbytes]
+            pieces.append(Piece(w.into, at, w.nbytes))
+            at += w.nbytes
         errors: list[str] = []
         streams = max(1, STREAMS // max(1, len(by_server)))
-        threads = [threading.Thread(target=self._from, args=(addr, ws, errors, streams), daemon=True)
+        threads = [threading.Thread(target=self._from, args=(addr, ws, errors, streams, staged), daemon=True)
                    for addr, ws in by_server.items()]  # fmt: skip
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        self.seconds = time.perf_counter() - began
-        self.received = sum(w.nbytes for w in wants)
         if errors:
             raise FileNotFoundError(f"peer snapshot ranges unreadable during the restore: {errors[0]}")
+        load(pieces, host)  # one caller at a time: the lanes' buffers are the process's
+        self.seconds = time.perf_counter() - began
+        self.received = sum(w.nbytes for w in wants)
 
-    def _from(self, address: str, wants: list[Want], errors: list[str], streams: int) -> None:
-        gets, landing = [], []
+    def _from(self, address: str, wants: list[Want], errors: list[str], streams: int,
+              staged: dict[int, torch.Tensor]) -> None:  # fmt: skip
+        gets = []
         for w in wants:
             where, name, crc = self.files[(w.holder, w.ref)]
-            into = w.into
-            if into.device.type != "cpu":
-                into = torch.empty(w.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-                landing.append((into, w.into))
-            gets.append(Get(where, name, crc, w.offset, w.nbytes, writable(into)))
+            gets.append(Get(where, name, crc, w.offset, w.nbytes, writable(staged.get(id(w), w.into))))
         results = fetch(address, self.key, gets, streams)
         for w, error in zip(wants, results, strict=True):
             if error is not None:
                 self.failed.add((w.holder, w.ref))
                 errors.append(error)
-        for buf, into in landing:
-            into.copy_(buf)
 
 
 class Resolver:
