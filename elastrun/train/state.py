@@ -244,7 +244,7 @@ class State(Reformable):
         rng_state = rng.capture()
         core.mem.write_rng(core.rank, self.step, rng_state, keep=pipe.kept)
         if core.local_rank == 0 and self.step % 100 == 0:
-            core.mem.prune_rng(min(self.step - 2 * RNG_KEEP, *pipe.kept))
+            core.mem.prune_rng(min([self.step - 2 * RNG_KEEP, *pipe.kept]))
         durable = core.ckpt is not None and bool(stop or (self._every > 0 and self.step % self._every == 0))
         due = pipe.due(self.step, every, bool(unready))
         if durable or stop:

@@ -283,3 +283,23 @@ def test_which_commits_are_snapshotted():
     assert not pipe.due(11, 4, unready=False)
     explicit = SnapshotPipeline(3)
     assert [s for s in range(1, 10) if explicit.due(s, 3, unready=True)] == [3, 6, 9]
+
+
+def test_a_first_commit_on_a_hundredth_step_prunes_before_any_snapshot_of_its_own(tmp_path, monkeypatch):
+    """A worker that starts at step 99 (a joiner, a restarted rank) commits step 100 before it has a
+    snapshot of its own, and step 100 prunes the node's old RNG files: with no snapshot kept that
+    raised TypeError (``min`` of a lone int) and killed the worker (seen as a fifth fault in the
+    goodput test)."""
+    import elastrun.train as et
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = et.State(model=model, optimizer=opt, snapshot_dir=tmp_path, handle_signals=False)
+    try:
+        state.step = 99
+        state.commit()
+        assert state.step == 100
+    finally:
+        state.close()
