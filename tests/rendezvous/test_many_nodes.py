@@ -58,8 +58,15 @@ def test_a_round_with_many_nodes_is_consistent(token, seated, monkeypatch):
         for r in views:
             known = [m.group_rank for m in r.members]
             assert known == (sorted({r.group_rank, (r.group_rank + 1) % NODES}) if seated else list(range(NODES)))
-        # The status reader lists every member, from the parts of a seated round.
-        status = read_store_status(handlers[0]._store, "many", auth=handlers[0]._auth)
+        # The status reader lists every member, from the parts of a seated round.  A member's first
+        # heartbeat is written by its heartbeat thread once its round closed: until every one is in,
+        # the job reads as "degraded" (a loaded machine can take a moment), so wait for it (bounded).
+        deadline = time.monotonic() + 15
+        while True:
+            status = read_store_status(handlers[0]._store, "many", auth=handlers[0]._auth)
+            if status["state"] == "running" or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert [n["group_rank"] for n in status["nodes"]] == list(range(NODES))
         assert status["world_size"] == 2 * NODES and status["state"] == "running"
         # A node leaves: every other member's poll reports it (bounded wait).
