@@ -69,6 +69,9 @@ def test_a_member_rejoining_between_the_closer_s_reads_is_admitted(monkeypatch):
         while int(store.add(counters[0], 0)) < 1 and time.monotonic() < deadline:
             time.sleep(0.005)
         threads.append(join(1, 1))
+        deadline = time.monotonic() + 10
+        while len(threads) < 3 and time.monotonic() < deadline:  # A's join is started by the closer's read
+            time.sleep(0.005)
         for t in list(threads):
             t.join(30)
         assert injected.is_set(), "the closer never read its counters with B in"
