@@ -8,6 +8,7 @@ import urllib.request
 
 import pytest
 
+from elastrun import log as console_log
 from elastrun.config import LaunchConfig
 from elastrun.observe import start_observability
 from elastrun.observe.events import EventLog
@@ -36,6 +37,7 @@ def test_registry_renders_prometheus_text_with_escaped_labels() -> None:
 
 
 def test_taken_port_warns_and_the_agent_runs_on(capsys) -> None:
+    console_log.configure()  # the default console level (an earlier test in this process may have set -q)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
