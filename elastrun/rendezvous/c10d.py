@@ -45,7 +45,7 @@ from elastrun.rendezvous.auth import JobToken, load_token
 from elastrun.rendezvous.endpoint import host_worker_store, route_address, split_endpoint
 from elastrun.rendezvous.keepalive import Heartbeat, RingWatch
 from elastrun.rendezvous.link import Link, Wakeup
-from elastrun.rendezvous.rounds import decode_result, fault_line, timeout_error
+from elastrun.rendezvous.rounds import decode_result, fault_line, is_void, timeout_error, void_result
 from elastrun.rendezvous.seats import FullRoster, Roster, SeatedRoster, is_seated, member_result, read_seat
 from elastrun.rendezvous.store_client import store_errors
 from elastrun.rendezvous.store_closing import Closing, JoinSlots
@@ -228,9 +228,16 @@ class StoreRendezvousHandler(Closing, Liveness):
                 raise TimeoutError
 
     def _await_published(self, key: str, deadline: float) -> str | None:
-        """The closed round's result under ``key``; None once its closer stopped heartbeating without
-        writing it (it died between its close and its result: the round never formed, and waiting
-        for it would last until ``join_timeout``).  A closer that still heartbeats is waited for."""
+        """The closed round's result under ``key``.  A closer that still heartbeats is waited for.
+
+        Once its closer stopped heartbeating without writing it (it died between its close and its
+        result; waiting would last until ``join_timeout``), this member writes the round *void*
+        with a compare-and-set, so that the closer, if it was only slow, cannot publish a result
+        after all: every joiner then reads the same value, a void or a real result.  Before, a
+        closer stalled past ``heartbeat_timeout`` (a loaded host) still published and ran the round
+        while its followers had moved on to the next one, where they waited for it until
+        ``join_timeout``.
+        """
         closer = self._closer if self._closer != self._node.node_id else ""
         watch = RingWatch(float(self.conf["heartbeat_timeout"]))
         watch.retarget(closer or None)
@@ -239,7 +246,10 @@ class StoreRendezvousHandler(Closing, Liveness):
             if value is not None:
                 return value
             if closer and watch.observe(self._read(self._k("hb", closer))):
-                return None
+                won, value = self._claim(key, void_result(f"its closer {closer} went silent before its result"))
+                if won or value is None:  # None: a forged value holds the key; the round is lost either way
+                    return None
+                return value
 
     def _await_result(self, round_: int, node: NodeInfo, deadline: float) -> RoundResult | None:
         """This node's view of closed round ``round_``; None when it turned out unusable for it."""
@@ -252,8 +262,10 @@ class StoreRendezvousHandler(Closing, Liveness):
         except TimeoutError:
             raise self._timeout_error(round_) from None
         if value is None:
-            return None  # its closer died before publishing it: the round never formed
+            return None  # a forged value holds the result: the round never formed for this node
         doc = decode_result(value)
+        if is_void(doc):
+            return None  # its closer went silent before publishing it: the round never formed
         if doc.get("abort"):
             raise JobFailedError("the job was ended", doc["abort"], int(doc.get("abort_code", 1)),
                                  RoundCause.from_dict(doc.get("cause")))

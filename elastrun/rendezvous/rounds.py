@@ -147,6 +147,18 @@ def result_document(
     }  # fmt: skip
 
 
+def void_result(why: str) -> str:
+    """The stored text of a round that closed but never formed (its closer went silent before its
+    result): whoever writes ``result`` first decides the round for everyone (compare-and-set), so a
+    closer and its followers never disagree on whether it formed."""
+    return json.dumps({"void": why, "members": []}, separators=(",", ":"))
+
+
+def is_void(doc: dict[str, Any]) -> bool:
+    """Whether a decoded result is :func:`void_result`'s: the round has no members, nobody runs in it."""
+    return bool(doc.get("void"))
+
+
 #: Marks an encoded result document (see :func:`encode_result`); plain JSON starts with ``{``.
 RESULT_CODEC = "z1:"
 #: Longest decoded result accepted (a forged value must not make a reader inflate gigabytes).

@@ -35,6 +35,7 @@ from elastrun.rendezvous.rounds import (
     close_size,
     decode_result,
     encode_result,
+    is_void,
     judge_round_end,
     result_document,
     round_cause,
@@ -100,7 +101,7 @@ class Closing(StoreClient):
         if raw is None:
             return None
         doc = decode_result(raw)
-        if doc.get("abort"):
+        if doc.get("abort") or is_void(doc):
             return None
         if is_seated(doc):
             return PrevRound(int(doc["size"]), None, lambda: self._member_ids(round_ - 1, doc))
@@ -323,7 +324,16 @@ class Closing(StoreClient):
             keys = [self._r(round_, "seat", n) for n in seats] + self._part_keys(round_, len(parts))
             values = [*seats.values(), *parts]
             self._store.multi_set(keys, [self._auth.seal(k, v) for k, v in zip(keys, values, strict=True)])
-        self._put(self._r(round_, "result"), encode_result(doc))
+        result_key, text = self._r(round_, "result"), encode_result(doc)
+        published, current = self._claim(result_key, text)
+        if not published and current is None:  # a value that is not authentic holds the key: replace it
+            self._put(result_key, text)
+            published = True
+        if not published:
+            # A follower judged this closer silent (its heartbeats stood still: a loaded host) and
+            # wrote the round void first (c10d.py, ``_await_published``): every joiner, this one
+            # included, reads the void and joins the next round.
+            return
         if abort is not None:
             self._put(self._k("abort_code"), str(abort_code))
             self._put(self._k("abort"), abort)

@@ -26,7 +26,7 @@ from typing import Any
 from elastrun.rendezvous.api import JobNotFoundError, RendezvousConnectionError, RendezvousError, RendezvousParameters
 from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth, load_token
 from elastrun.rendezvous.endpoint import split_endpoint
-from elastrun.rendezvous.rounds import decode_result
+from elastrun.rendezvous.rounds import decode_result, is_void
 from elastrun.rendezvous.seats import all_members
 from elastrun.rendezvous.status_doc import node_row, status_document
 
@@ -126,7 +126,7 @@ def _latest_result(r: _Reader, open_round: int) -> tuple[int, dict[str, Any]] | 
         if raw is None:
             continue
         result = decode_result(raw)
-        if result.get("abort"):
+        if result.get("abort") or is_void(result):
             continue
         # A seated round's result holds no member list: read it from its parts (seats.py).
         members = all_members(result, lambda count, r_=round_: r.texts([r.key(f"r{r_}", "part", k)
