@@ -45,7 +45,7 @@ def _timed(name: str, etcd_pid: int, op, n: int = ROUNDS) -> dict:
 
 def gateway(endpoint: str, etcd_pid: int) -> list[dict]:
     from elastrun.rendezvous.etcd.client import EtcdClient, EtcdSettings, Shared, op_put, op_range
-    from elastrun.rendezvous.etcd.keepalive import KeepAliveStream
+    from elastrun.rendezvous.etcd.lease_keeper import KeepAliveStream
     from elastrun.rendezvous.etcd.streams import WatchSet
 
     host, port = endpoint.rsplit(":", 1)

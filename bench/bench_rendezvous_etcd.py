@@ -73,7 +73,7 @@ time.sleep(600)
 def _count_requests() -> collections.Counter:
     """Count every request this process's etcd clients send, by kind (wraps the client's one entry
     point), the streams they open, the messages sent on them, and the distinct leases granted."""
-    from elastrun.rendezvous.etcd import client, keepalive, streams
+    from elastrun.rendezvous.etcd import client, lease_keeper, streams
 
     counts: collections.Counter = collections.Counter()
     lock = threading.Lock()
@@ -119,7 +119,7 @@ def _count_requests() -> collections.Counter:
         ws.send = counted_send
         return ws
 
-    answer = keepalive.LeaseKeeper._answer
+    answer = lease_keeper.LeaseKeeper._answer
 
     def traced_answer(self, lease: int, sent: float, ttl: int) -> None:
         now, wall = time.monotonic(), time.time()
@@ -127,7 +127,7 @@ def _count_requests() -> collections.Counter:
             RENEWALS.setdefault(lease, []).append((wall - (now - sent), wall, ttl, lease == self.job_lease))
         return answer(self, lease, sent, ttl)
 
-    renew = keepalive.KeepAliveStream.renew
+    renew = lease_keeper.KeepAliveStream.renew
 
     def counted_renew(self, lease: int, timeout: float) -> int:
         try:
@@ -141,9 +141,9 @@ def _count_requests() -> collections.Counter:
 
     client.EtcdClient.request = counted_request
     client.EtcdClient.grant = counted_grant
-    keepalive.KeepAliveStream.renew = counted_renew
-    streams.open_stream = keepalive.open_stream = counted_open
-    keepalive.LeaseKeeper._answer = traced_answer
+    lease_keeper.KeepAliveStream.renew = counted_renew
+    streams.open_stream = lease_keeper.open_stream = counted_open
+    lease_keeper.LeaseKeeper._answer = traced_answer
     return counts
 
 

@@ -81,8 +81,8 @@ CONNECTING = 8
 TOKEN = "bench-token-0123456789abcdef0123456789abcdef"
 
 
-try:  # the rosters of elastrun.rendezvous.seats (absent in the code before it, which this bench also runs)
-    from elastrun.rendezvous import seats as _ROSTER
+try:  # the rosters of elastrun.rendezvous.c10d.seats (absent in the code before it, which this bench also runs)
+    from elastrun.rendezvous.c10d import seats as _ROSTER
 except ImportError:
     _ROSTER = None
 
@@ -289,7 +289,7 @@ def child(port: int, first: int, count: int, nodes: int, beat_seconds: float, fu
     """One process of simulated nodes: connect, say ready, join on "go", report, heartbeat, close."""
     import signal
 
-    from elastrun.prctl import set_parent_death_signal
+    from elastrun.shared.prctl import set_parent_death_signal
 
     set_parent_death_signal(signal.SIGKILL)  # in a session of its own: no terminal signal reaches it
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

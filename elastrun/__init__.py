@@ -12,11 +12,11 @@ __all__ = ["__version__", "record", "heartbeat"]
 def __getattr__(name: str):
     # Lazy attributes keep ``import elastrun`` free of torch and of the agent's modules.
     if name == "record":
-        from elastrun.inworker.errorfile import record
+        from elastrun.worker.errorfile import record
 
         return record
     if name == "heartbeat":
-        from elastrun.inworker.heartbeat import heartbeat
+        from elastrun.worker.heartbeat import heartbeat
 
         return heartbeat
     raise AttributeError(f"module 'elastrun' has no attribute {name!r}")

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from elastrun.errors import UsageError
-from elastrun.protocol import exec_argv
+from elastrun.shared.protocol import exec_argv
 
 
 class Std(enum.IntFlag):

@@ -28,10 +28,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from elastrun import log
 from elastrun.config import LaunchConfig
 from elastrun.errors import UsageError
 from elastrun.rendezvous.api import RendezvousConfigError, RendezvousError, RendezvousParameters
+from elastrun.shared import log
 
 _log = log.get("launcher")
 
@@ -78,7 +78,7 @@ def check(config: LaunchConfig) -> None:
 
 def make_starter(config: LaunchConfig, base_env: dict[str, str]):
     """The worker starter for ``config.start_method``: the warm pool, or exec (``spawn``, ``--no-python``)."""
-    from elastrun.workers.pool import select_starter
+    from elastrun.agent.workers.pool import select_starter
 
     return select_starter(config, base_env=base_env)
 
@@ -121,8 +121,8 @@ def run(config: LaunchConfig) -> int:
     # the etcd lease and heartbeat threads: peers took the closer for dead and formed a round without it.
     import torch.distributed  # noqa: F401
 
-    from elastrun import stackdump
     from elastrun.agent.agent import LocalAgent
+    from elastrun.shared import stackdump
 
     agent = LocalAgent(config, handler, starter, base_env=base_env)
 
@@ -149,7 +149,7 @@ def launch(config: LaunchConfig, entrypoint: Callable[..., Any] | str, *args: An
         return {r: None for r in range(config.nproc_per_node)}
     with tempfile.TemporaryDirectory(prefix="elastrun-launch-") as tmp:
         call_file = Path(tmp) / "call.pkl"
-        job = dataclasses.replace(config, module=True, no_python=False, entrypoint="elastrun.inworker.run_function",
+        job = dataclasses.replace(config, module=True, no_python=False, entrypoint="elastrun.worker.run_function",
                                   args=[str(call_file), tmp])
         check(job)
         with open(call_file, "wb") as fh:

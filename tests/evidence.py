@@ -5,7 +5,7 @@ console output, the workers' logs and step records, and where every process was 
 wrong.  The harnesses (the soak, the chaos run, the end-to-end test fixtures) do, in this order:
 
 1. :func:`dump_stacks` while every process still runs: each one that catches
-   :data:`elastrun.stackdump.DUMP_SIGNAL` (every agent and every Python worker of elastrun) writes
+   :data:`elastrun.shared.stackdump.DUMP_SIGNAL` (every agent and every Python worker of elastrun) writes
    every thread's Python stack to its own log, and lives on; the list of the processes, their
    state and command line goes to ``processes.txt``;
 2. their usual clean-up (every process killed by PID);
@@ -34,7 +34,7 @@ from typing import Any
 
 import psutil
 
-from elastrun import stackdump
+from elastrun.shared import stackdump
 
 EVIDENCE_ENV = "ELASTRUN_EVIDENCE_DIR"
 #: How long :func:`dump_stacks` waits for the asked processes to take the signal (a stopped one never does).

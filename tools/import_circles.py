@@ -1,11 +1,20 @@
 """Import circles and crossings in the elastrun package: ``python tools/import_circles.py [PACKAGE_DIR]``.
 
 Reads every module's imports (module level and inside functions; ``if TYPE_CHECKING`` blocks are
-left out) and prints the circles among modules, the function-level imports that close one (an
-import moved into a function only to hide a circle), and the imports that cross a worker's process
-boundary: the agent's side (:data:`AGENT_SIDE`) and the code that runs inside a worker
-(:data:`WORKER_SIDE`) import nothing of each other; they share ``elastrun.protocol``.  Exit status
-1 when there is any of the three.
+left out) and prints:
+
+- the circles among modules;
+- the function-level imports that close one (an import moved into a function only to hide a circle);
+- the imports that cross a worker's process boundary: the agent's side (:data:`AGENT_SIDE`:
+  ``elastrun.agent``, ``elastrun.rendezvous``, ``elastrun.launcher``) and the worker's side
+  (:data:`WORKER_SIDE`: ``elastrun.worker``, ``elastrun.train``) import nothing of each other;
+- the modules outside :data:`SHARED` (``elastrun.shared``) that both sides reach: a module either
+  side imports, directly or through modules of neither side (``elastrun.config``, ``elastrun.observe``
+  ...), is loaded in that side's process; one loaded by both must live in ``elastrun.shared``, the
+  only code both sides import;
+- the imports of ``elastrun.shared`` from outside it (it stays a leaf that both sides can load).
+
+Exit status 1 when there is any of them.
 """
 
 from __future__ import annotations
@@ -15,12 +24,16 @@ import sys
 from pathlib import Path
 
 #: Packages whose code runs in the agent process, and packages whose code runs inside a worker.
-AGENT_SIDE = ("elastrun.agent", "elastrun.workers", "elastrun.rendezvous")
-WORKER_SIDE = ("elastrun.inworker", "elastrun.train")
+AGENT_SIDE = ("elastrun.agent", "elastrun.rendezvous", "elastrun.launcher")
+WORKER_SIDE = ("elastrun.worker", "elastrun.train")
+#: The only code both sides import.
+SHARED = "elastrun.shared"
 
 
 def side(name: str) -> str | None:
-    """``"agent"``, ``"worker"`` or None (shared: the protocol, config, log and the other leaves)."""
+    """``"agent"``, ``"worker"``, ``"shared"`` or None (neither: the CLI, config, observe...)."""
+    if name == SHARED or name.startswith(SHARED + "."):
+        return "shared"
     for label, packages in (("agent", AGENT_SIDE), ("worker", WORKER_SIDE)):
         if any(name == p or name.startswith(p + ".") for p in packages):
             return label
@@ -117,11 +130,28 @@ def main(argv: list[str]) -> int:
     hiding = sorted((name, t) for name, targets in edges.items() for t, late in targets.items()
                     if late and reaches(t, name))  # fmt: skip
     crossing = sorted((name, t) for name, targets in edges.items() for t in targets
-                      if side(name) and side(t) and side(name) != side(t))  # fmt: skip
+                      if {side(name), side(t)} == {"agent", "worker"})  # fmt: skip
+    leaving = sorted((name, t) for name, targets in edges.items() for t in targets
+                     if side(name) == "shared" and side(t) != "shared")  # fmt: skip
+
+    def loaded_by(label: str) -> set[str]:
+        """Modules of neither side that code of side ``label`` imports, directly or through others of neither side."""
+        out: set[str] = set()
+        todo = [t for name, targets in edges.items() if side(name) == label for t in targets]
+        while todo:
+            node = todo.pop()
+            if side(node) is None and node not in out and node != "elastrun":  # the root: lazy, loaded by all
+                out.add(node)
+                todo.extend(edges.get(node, ()))
+        return out
+
+    both = sorted(loaded_by("agent") & loaded_by("worker"))
     print(f"circles: {found or 'none'}")
     print(f"function-level imports that close a circle: {hiding or 'none'}")
     print(f"imports across a worker's process boundary (agent side <-> worker side): {crossing or 'none'}")
-    return 1 if found or hiding or crossing else 0
+    print(f"modules outside {SHARED} that both sides import: {both or 'none'}")
+    print(f"imports from {SHARED} of modules outside it: {leaving or 'none'}")
+    return 1 if found or hiding or crossing or both or leaving else 0
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ point at the wrong rank, and they reach the console first.  The rule (docs/failu
   never hidden, whatever came first; nor is an error the agent cannot explain.
 
 The workers' stream pumps hold a dying worker's traceback back from the console until it is judged
-(:mod:`elastrun.workers.logs`).  The culprit is known at once when this node holds it (a failure of
+(:mod:`elastrun.agent.workers.logs`).  The culprit is known at once when this node holds it (a failure of
 its own that is not a peer error, a hang), else when the next round forms (its closer judges from
 every node's records: ``RoundResult.cause``) or the job ends (``JobFailedError.cause``).
 """
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastrun.agent.report import AgentReport
+from elastrun.agent.workers.reports import read_error_file
+from elastrun.agent.workers.starter import WorkerHandle
 from elastrun.rendezvous.api import FailureRecord, RoundCause, RoundResult
-from elastrun.workers.api import WorkerHandle
-from elastrun.workers.reports import read_error_file
 
 #: Errors about a worker's peers, not its own code (searched in the exception a worker died of).
 _PEER_ERRORS = re.compile(

@@ -10,7 +10,7 @@ One agent runs per node.  Its loop::
         on a local failure: kill the local group, record the failure, go round again
         on a change elsewhere (node lost, node waiting, another node's failure): kill, go round again
         (workers of an ``elastrun.train.run`` script are paused instead of killed, and handed the
-        next round in their own process: see ``elastrun/agent/reform.py``)
+        next round in their own process: see ``elastrun/agent/reform_session.py``)
         on a job abort (budget spent): print the root cause, exit 1
         on SIGTERM/SIGINT/...: forward, wait the grace period, kill the rest, leave, exit 128+signal
 
@@ -19,7 +19,7 @@ worker), and with the received signal plus a grace period when the agent itself 
 
 This module keeps the loop, the rendezvous calls and the signals.  Its rooms:
 :class:`~elastrun.agent.group.WorkerGroup` (the local workers of a round),
-:class:`~elastrun.agent.reform.ReformSession` (in-process re-forms),
+:class:`~elastrun.agent.reform_session.ReformSession` (in-process re-forms),
 :class:`~elastrun.agent.runtime.NodeRuntime` (directories and services on the node; among them
 :class:`~elastrun.agent.snapserver.SnapshotService`, the snapshot server and replicator),
 :class:`~elastrun.agent.launches.LaunchBuilder` (what each worker is started with) and
@@ -40,10 +40,12 @@ from elastrun.agent.aftermath import Aftermath, fault_name
 from elastrun.agent.console import Console
 from elastrun.agent.group import GroupEnd, Outcome, WorkerGroup
 from elastrun.agent.launches import LaunchBuilder
-from elastrun.agent.reform import Phase, ReformSession
+from elastrun.agent.reform_session import Phase, ReformSession
 from elastrun.agent.report import AgentReport
 from elastrun.agent.runtime import NodeRuntime
 from elastrun.agent.snapserver import SnapshotService
+from elastrun.agent.workers.control_server import ControlServer
+from elastrun.agent.workers.starter import WorkerStarter
 from elastrun.config import FORWARDED_SIGNALS, LaunchConfig
 from elastrun.rendezvous.api import (
     FailureRecord,
@@ -58,8 +60,6 @@ from elastrun.rendezvous.api import (
     RoundResult,
 )
 from elastrun.rendezvous.auth import load_token
-from elastrun.workers.api import WorkerStarter
-from elastrun.workers.control import ControlServer
 
 
 class AgentStopped(BaseException):

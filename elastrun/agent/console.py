@@ -2,13 +2,13 @@
 
 Training output belongs to the workers; the agent says one line per round, per failure and per
 recovery.  ``--quiet`` keeps only errors; ``--verbose`` adds details (member lists, tracebacks).
-The lines go through :mod:`elastrun.log` (the ``elastrun.agent`` logger), like every other
+The lines go through :mod:`elastrun.shared.log` (the ``elastrun.agent`` logger), like every other
 message of elastrun, so ``-q``/``-v`` mean the same for the agent, the pool and the rendezvous.
 """
 
 from __future__ import annotations
 
-from elastrun import log
+from elastrun.shared import log
 
 _log = log.get("agent")
 

@@ -3,7 +3,7 @@
 The group starts a round's workers (taking back those an in-process re-form kept), watches them
 (exits, the exit code each script reported before its interpreter's teardown, heartbeats), and
 ends itself: it kills the workers of failed ranks and every worker that cannot re-form, and pauses
-the others through the :class:`~elastrun.agent.reform.ReformSession`.  For a failure or a hang it
+the others through the :class:`~elastrun.agent.reform_session.ReformSession`.  For a failure or a hang it
 builds the :class:`FailureRecord` the rendezvous keeps.  Rounds, signals and the rendezvous are the
 agent's (:mod:`elastrun.agent.agent`), which hands the group one rendezvous call: ``claim_hang``.
 
@@ -38,13 +38,13 @@ from elastrun.agent import stall
 from elastrun.agent.aftermath import Aftermath, is_peer_error
 from elastrun.agent.hang import HangTracker, StartupHistory
 from elastrun.agent.launches import link_kept_logs
-from elastrun.agent.reform import ReformSession
+from elastrun.agent.reform_session import ReformSession
 from elastrun.agent.report import AgentReport
+from elastrun.agent.workers.reports import clear_reports, read_error_file, read_exit_report
+from elastrun.agent.workers.starter import ExitStatus, WorkerHandle, WorkerLaunch, WorkerStarter
 from elastrun.config import LaunchConfig
-from elastrun.protocol import HEARTBEAT_ENV
 from elastrun.rendezvous.api import FailureRecord, RendezvousError, RoundResult
-from elastrun.workers.api import ExitStatus, WorkerHandle, WorkerLaunch, WorkerStarter
-from elastrun.workers.reports import clear_reports, read_error_file, read_exit_report
+from elastrun.shared.protocol import HEARTBEAT_ENV
 
 
 class Outcome(enum.Enum):

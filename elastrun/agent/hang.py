@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 
-from elastrun.workers.reports import read_heartbeat
+from elastrun.agent.workers.reports import read_heartbeat
 
 HANG_FLOOR = 30.0
 HANG_FACTOR = 10.0

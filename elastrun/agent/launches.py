@@ -17,11 +17,11 @@ import sys
 from collections.abc import Mapping
 
 from elastrun.agent.runtime import NodeRuntime
+from elastrun.agent.workers.spawn import error_file_path
+from elastrun.agent.workers.starter import WorkerLaunch
 from elastrun.config import LaunchConfig, Std
-from elastrun.protocol import HEARTBEAT_ENV
 from elastrun.rendezvous.api import RoundResult
-from elastrun.workers.api import WorkerLaunch
-from elastrun.workers.spawn import error_file_path
+from elastrun.shared.protocol import HEARTBEAT_ENV
 
 
 def worker_environment(

@@ -1,20 +1,20 @@
 """Copies of this node's committed shards into other nodes' memory, in the background.
 
 A worker that wants a committed shard file copied leaves a push request in the snapshot directory
-(:class:`~elastrun.peer.replicas.PushRequest`: which slot, which step, the meta's CRC, the snapshot
+(:class:`~elastrun.shared.replicas.PushRequest`: which slot, which step, the meta's CRC, the snapshot
 servers to copy it to, how often the worker commits).  The :class:`Replicator`, threads of the
 agent, picks the request up as soon as it is written (the directory is watched with inotify where
 the platform has it, else polled every :data:`POLL` seconds) and, for each target:
 
 1. checks that the slot still holds that step (its meta's CRC);
-2. sends a ``put`` (:mod:`elastrun.peer.wire`) with the meta file, waits for the receiver's go;
+2. sends a ``put`` (:mod:`elastrun.shared.snapshot_wire`) with the meta file, waits for the receiver's go;
 3. sends the data block by block, each block's CRC32 computed from the original just before it
    goes out with ``sendfile``;
 4. checks the slot's meta again: if the worker rewrote the slot meanwhile, the trailer says so and
    the receiver drops what it got; else the trailer carries the CRCs, which the receiver compares
    with its own before it publishes the replica.
 
-Then it writes the outcome (:class:`~elastrun.peer.replicas.PushStatus`) and removes the request:
+Then it writes the outcome (:class:`~elastrun.shared.replicas.PushStatus`) and removes the request:
 the worker asks for the next copy only once every rank's request is gone (the decision is taken
 together, at a commit, so that every rank's copies are of the same steps).  A target that cannot be
 reached costs that copy, never a wait in training.
@@ -45,8 +45,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from elastrun.agent.dirwatch import Watch
-from elastrun.peer import wire
-from elastrun.peer.replicas import BLOCK, PushRequest, PushStatus, meta_crc, pending_pushes, read_meta_crc, status_path
+from elastrun.shared import snapshot_wire as wire
+from elastrun.shared.replicas import (
+    BLOCK,
+    PushRequest,
+    PushStatus,
+    meta_crc,
+    pending_pushes,
+    read_meta_crc,
+    status_path,
+)
 
 _PUSH_NAME = re.compile(r"push\.[a-z]+\.r\d+\.json")
 

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from elastrun.agent.console import Console
+from elastrun.agent.workers.starter import ExitStatus, WorkerHandle, WorkerLaunch
 from elastrun.config import LaunchConfig
 from elastrun.observe.events import EventLog
 from elastrun.rendezvous.api import FailureRecord, RoundResult
 from elastrun.rendezvous.rounds import format_failure
-from elastrun.workers.api import ExitStatus, WorkerHandle, WorkerLaunch
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -23,8 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import TypeVar
 
-from elastrun import log
-from elastrun.protocol import SNAPSHOT_DIR_ENV
+from elastrun.shared import log
+from elastrun.shared.protocol import SNAPSHOT_DIR_ENV
 
 #: A Unix socket path is limited to 108 bytes: a longer one goes to the temporary directory.
 MAX_SOCKET_PATH = 100

@@ -11,7 +11,7 @@ closed when the agent exits.  Its server (:class:`SnapshotServer`) answers, on o
   sender's CRCs and published (meta last) only if they match.  The two newest steps of each
   ``(kind, rank)`` are kept.
 
-Access (the protocol is :mod:`elastrun.peer.wire`): with a job token every connection proves the
+Access (the protocol is :mod:`elastrun.shared.snapshot_wire`): with a job token every connection proves the
 job's snapshot key (derived from the token and the run id) before it may ask anything, and the
 server listens on every address; without a token it listens on the agent's own address only.  The
 workers find the server's address in ``ELASTRUN_SNAPSHOT_SERVER`` and the key in the file named by
@@ -31,11 +31,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from elastrun import log
 from elastrun.agent.replicator import Replicator, set_late
 from elastrun.agent.runtime import NodeRuntime, NodeService
-from elastrun.peer import wire
-from elastrun.peer.replicas import (
+from elastrun.rendezvous.auth import hkdf_sha256
+from elastrun.shared import log
+from elastrun.shared import snapshot_wire as wire
+from elastrun.shared.protocol import SNAPSHOT_KEY_ENV, SNAPSHOT_SERVER_ENV
+from elastrun.shared.replicas import (
     REPLICAS,
     CorruptReplica,
     Sums,
@@ -44,8 +46,6 @@ from elastrun.peer.replicas import (
     replica_dirs,
     verify,
 )
-from elastrun.protocol import SNAPSHOT_KEY_ENV, SNAPSHOT_SERVER_ENV
-from elastrun.rendezvous.auth import hkdf_sha256
 
 _log = log.get("agent")
 

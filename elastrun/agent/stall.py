@@ -4,7 +4,7 @@ When the group finds a worker silent past its bound (a hang after heartbeats, or
 heartbeat within the start-up bound: :mod:`elastrun.agent.hang`), the agent says, for every local
 worker, how it entered the round (started, or kept through an in-process re-form and whether it
 said ``Reformed``), its last heartbeat and the newest record of its step log (a commit, a restore,
-a blocking checkpoint), then asks each for its Python stacks (:mod:`elastrun.stackdump`) before
+a blocking checkpoint), then asks each for its Python stacks (:mod:`elastrun.shared.stackdump`) before
 anything is killed or paused.  Those lines name where a group that forms but never steps stands:
 in its process group's set-up or its restore (no restore record in this round), or between its
 restore and its first commit.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastrun.observe import steplog
+from elastrun.shared import steplog
 
 
 @dataclass
@@ -91,7 +91,7 @@ def describe_record(record: steplog.Record | None, now: float, current_round: in
 
 
 def step_log_path(env: dict[str, str], error_file: Path | None, pid: int) -> Path | None:
-    """Where worker ``pid`` writes its step records (as :func:`elastrun.observe.steplog.default_path`)."""
+    """Where worker ``pid`` writes its step records (as :func:`elastrun.shared.steplog.default_path`)."""
     explicit = env.get(steplog.PATH_ENV)
     if explicit:
         return Path(explicit)

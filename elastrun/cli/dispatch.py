@@ -12,11 +12,11 @@ import signal
 import sys
 from typing import NoReturn
 
-from elastrun import log
 from elastrun.cli.flags import PROG
 from elastrun.cli.parsing import HelpRequested, parse
 from elastrun.errors import UsageError
-from elastrun.procexit import leave
+from elastrun.shared import log
+from elastrun.shared.procexit import leave
 
 #: First words that select an observation tool instead of a launch.
 SUBCOMMANDS = ("status", "timeline", "goodput")
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 def command() -> NoReturn:
     """The ``elastrun`` executable and ``python -m elastrun``: :func:`main`, then a quick exit.
 
-    The process ends without the interpreter's teardown (:func:`elastrun.procexit.leave`, after
+    The process ends without the interpreter's teardown (:func:`elastrun.shared.procexit.leave`, after
     Python's own exit steps): with torch loaded that teardown takes 0.6-0.9 s at the end of every
     job and does nothing the agent needs.  :func:`main` itself returns, for callers in Python.
     """

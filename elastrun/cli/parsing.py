@@ -19,7 +19,6 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from elastrun import log
 from elastrun.cli.flags import BY_DEST, FLAGS, FORWARDED, NO_ENV, PROG, Flag, help_text
 from elastrun.config import ALLOWED, DEFAULT_MASTER_PORT, DEFAULT_RDZV_PORT, LaunchConfig, Std
 from elastrun.errors import UsageError
@@ -27,6 +26,7 @@ from elastrun.hostprobe import count_gpus, cpu_count, torch_has_cuda
 from elastrun.rendezvous import conf as rdzv_conf
 from elastrun.rendezvous.endpoint import check_host as _check_host
 from elastrun.rendezvous.endpoint import join_address, split_address
+from elastrun.shared import log
 
 _NPROC_ALLOWED = "use a positive integer, auto, cpu or gpu"
 #: LaunchConfig fields named by another flag's dest.
@@ -498,7 +498,7 @@ def parse_with_warnings(argv: Sequence[str], environ: Mapping[str, str]) -> tupl
 def parse(argv: list[str], environ: Mapping[str, str]) -> LaunchConfig:
     """Read argv (without the program name) and ``environ`` into a checked :class:`LaunchConfig`.
 
-    Sets elastrun's console messages to ``--quiet``/``--verbose`` (:func:`elastrun.log.configure`)
+    Sets elastrun's console messages to ``--quiet``/``--verbose`` (:func:`elastrun.shared.log.configure`)
     and reports warnings (settings accepted but without effect) there, one line each.  Raises
     :class:`UsageError` for any mistake.
     """

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from elastrun import log
+from elastrun.shared import log
 
 if TYPE_CHECKING:
     from elastrun.config import LaunchConfig

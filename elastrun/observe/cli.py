@@ -121,7 +121,7 @@ def status_main(argv: list[str]) -> int:
     if args.interval <= 0 or args.timeout <= 0:
         print("elastrun status: error: --interval and --timeout must be positive", file=sys.stderr)
         return 2
-    from elastrun.observe.status import format_status, read_status, watch
+    from elastrun.observe.status_view import format_status, read_status, watch
     from elastrun.rendezvous import conf as rdzv_conf
     from elastrun.rendezvous.api import (
         RendezvousConfigError,
@@ -162,7 +162,7 @@ def status_main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 0
     except BrokenPipeError:
-        from elastrun.observe.status import _silence_stdout
+        from elastrun.observe.status_view import _silence_stdout
 
         _silence_stdout()
         return 0

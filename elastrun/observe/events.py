@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from elastrun import log
+from elastrun.shared import log
 
 #: Something called with every event record (a dict), e.g. the metrics registry's feeder.
 Listener = Callable[[dict[str, Any]], None]

@@ -8,7 +8,7 @@ kept step, else the first cause present in :data:`WALL_ORDER`.  Each fault (a cr
 node, a hang, a join, a signal) carries the badput it caused.
 
 Pure computation: :func:`compute` takes event dicts (:func:`elastrun.observe.events.read_log_dir`)
-and step logs (:func:`elastrun.observe.steplog.read_dirs`) and returns a :class:`Goodput`;
+and step logs (:func:`elastrun.shared.steplog.read_dirs`) and returns a :class:`Goodput`;
 nothing here starts, reads a clock (``now`` is a parameter) or imports torch.
 :mod:`elastrun.observe.goodput_report` formats the result.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastrun.observe.goodput_history import Fault, Group, Node, Run, faults_of, join_wait, nodes_of, set_backs
-from elastrun.observe.steplog import BLOCKED, RESTORE, SPACING, STEP, ProcessLog, Record
+from elastrun.shared.steplog import BLOCKED, RESTORE, SPACING, STEP, ProcessLog, Record
 
 #: Badput causes, in the order they are listed.
 CAUSES = ("startup", "rendezvous", "detection", "restart", "restore", "redone", "commit", "hang", "idle", "unknown")

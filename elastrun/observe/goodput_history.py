@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastrun.observe.steplog import STEP, ProcessLog
+from elastrun.shared.steplog import STEP, ProcessLog
 
 #: Agent events that end a worker group early (the node's detection of a fault or change).
 _ENDING = ("worker_failure", "hang_detected", "restart", "nodes_waiting", "signal")

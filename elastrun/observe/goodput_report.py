@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from elastrun.observe.goodput import CAUSE_LABELS, CAUSES, Goodput, compute
-from elastrun.observe.steplog import ProcessLog, read_dirs
+from elastrun.shared.steplog import ProcessLog, read_dirs
 
 #: Short names of the causes, for one line.
 SHORT = {

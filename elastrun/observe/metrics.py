@@ -170,7 +170,7 @@ class Registry:
             try:
                 collect(self)
             except Exception as exc:  # a scrape must answer even when a collector fails
-                from elastrun import log
+                from elastrun.shared import log
 
                 log.get("observe").debug(f"metrics collector failed: {exc}")
         out: list[str] = []

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from elastrun.observe.goodput import compute
-from elastrun.observe.steplog import ProcessLog
 from elastrun.observe.timeline_goodput import (
     CAUSE_COLOURS,
     GoodputLayer,
@@ -29,6 +28,7 @@ from elastrun.observe.timeline_goodput import (
     goodput_layer,
     legend_causes,
 )
+from elastrun.shared.steplog import ProcessLog
 
 #: Outcome of an attempt → colour (colour-blind-safe palette, Okabe-Ito).
 OUTCOME_COLOURS = {

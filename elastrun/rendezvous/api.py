@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastrun import log
+from elastrun.shared import log
 
 
 class RendezvousError(Exception):

@@ -41,7 +41,7 @@ ENTRY_POINT_GROUP = "elastrun.rendezvous"
 #: Built-in backends, importable without the package being installed (e.g. from a source tree).
 _BUILTIN: dict[str, str] = {
     "c10d": "elastrun.rendezvous.c10d:BACKEND",
-    "static": "elastrun.rendezvous.static:BACKEND",
+    "static": "elastrun.rendezvous.c10d.static:BACKEND",
     "etcd": "elastrun.rendezvous.etcd:BACKEND",
     "etcd-v3": "elastrun.rendezvous.etcd:BACKEND",
 }

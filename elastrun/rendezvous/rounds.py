@@ -176,7 +176,7 @@ def encode_result(doc: dict[str, Any]) -> str:
     rules is stored as plain JSON instead; :func:`decode_result` reads both.
     """
     members = doc.get("members")
-    if members is None:  # a seated round's header (:mod:`elastrun.rendezvous.seats`): small, no member rows
+    if members is None:  # a seated round's header (:mod:`elastrun.rendezvous.c10d.seats`): small, no member rows
         return json.dumps(doc, separators=(",", ":"))
     if not _derivable(members):
         return json.dumps(doc)

@@ -3,7 +3,7 @@
 Its messages are warnings (a snapshot skipped, a checkpoint unreadable) raised inside the
 user's training script, so they stay :mod:`warnings`: the script and its tests can filter and
 catch them (``TrainWarning`` is a ``UserWarning``).  The launching agent tells its workers its
-console level in ``ELASTRUN_LOG_LEVEL`` (:data:`elastrun.log.LEVEL_ENV`); at ``-q`` (``ERROR``)
+console level in ``ELASTRUN_LOG_LEVEL`` (:data:`elastrun.shared.log.LEVEL_ENV`); at ``-q`` (``ERROR``)
 these warnings are not shown, as no other warning of elastrun is.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from elastrun.log import LEVEL_ENV
+from elastrun.shared.log import LEVEL_ENV
 
 
 class TrainWarning(UserWarning):

@@ -3,7 +3,7 @@
 Without this, elastrun answers a change (another worker failed, a node was lost, a node joins)
 by killing every worker and starting new ones.  A script that puts its training body in a
 function and hands it to :func:`run` opts in to *re-forms* instead: when its agent says
-``pause`` (see :mod:`elastrun.inworker.control`), the training thread leaves whatever it was
+``pause`` (see :mod:`elastrun.worker.control_client`), the training thread leaves whatever it was
 doing, the default process group is torn down, the worker waits for the new round's environment,
 joins the new group with its new rank and world size, rolls its state back to the last commit
 agreed by every rank (``State.restore()``, from its own objects where it can) and calls ``fn``
@@ -40,12 +40,12 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from elastrun.inworker import heartbeat, pg_guard
-from elastrun.inworker.control import ControlClient
-from elastrun.protocol import WAIT_ENV, Assign, Failed, Pause, Paused, Reformed, ToAgent, ToWorker
+from elastrun.shared.protocol import WAIT_ENV, Assign, Failed, Pause, Paused, Reformed, ToAgent, ToWorker
 from elastrun.train import copier, notes
 from elastrun.train.dist import DistInfo, forget_mesh_caches, init_distributed
 from elastrun.train.reformable import Reformable
+from elastrun.worker import heartbeat, pg_guard
+from elastrun.worker.control_client import ControlClient
 
 T = TypeVar("T")
 S = TypeVar("S", bound=Reformable)  # a State: run and State meet only in reformable.py

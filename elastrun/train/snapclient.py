@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from elastrun.peer import wire
-from elastrun.protocol import SNAPSHOT_KEY_ENV, SNAPSHOT_SERVER_ENV
+from elastrun.shared import snapshot_wire as wire
+from elastrun.shared.protocol import SNAPSHOT_KEY_ENV, SNAPSHOT_SERVER_ENV
 
 #: Requests sent ahead of the answers being read (each is a small message).
 WINDOW = 32
@@ -105,7 +105,7 @@ class SnapshotClient:
 
     def get(self, gets: list[Get]) -> list[str | None]:
         """Fill every ``get.into``; for each, None or why it could not be had.  A broken connection
-        fails every range not yet received (raised as :class:`~elastrun.peer.wire.PeerError`)."""
+        fails every range not yet received (raised as :class:`~elastrun.shared.snapshot_wire.PeerError`)."""
         errors: list[str | None] = []
         sent = 0
         for i, g in enumerate(gets):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from elastrun.protocol import SNAPSHOT_DIR_ENV
+from elastrun.shared.protocol import SNAPSHOT_DIR_ENV
 
 PREFIX = "elastrun-snap-"
 

@@ -38,7 +38,7 @@ from typing import Any
 import psutil
 import torch
 
-from elastrun.peer.replicas import META_MAGIC, meta_crc
+from elastrun.shared.replicas import META_MAGIC, meta_crc
 from elastrun.train.copier import at_idle_priority
 from elastrun.train.fileio import atomic_write
 from elastrun.train.slotmem import SlotMemory, allocated, fallocate

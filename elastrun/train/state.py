@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from elastrun.inworker.heartbeat import heartbeat
-from elastrun.observe import steplog
+from elastrun.shared import steplog
 from elastrun.train import dist as edist
 from elastrun.train import notes, reform, restore, rng, sharded, snapdir
 from elastrun.train.checkpoint import CheckpointDir
@@ -38,6 +37,7 @@ from elastrun.train.reformable import Reformable
 from elastrun.train.replicated import ReplicatedPart
 from elastrun.train.sampler import ElasticSampler
 from elastrun.train.snapshot import RNG_KEEP, MemorySnapshots, slots_needed
+from elastrun.worker.heartbeat import heartbeat
 
 _RESERVED = {"step", "commit", "restore", "checkpoint", "flush", "close", "extras", "preempted", "last_restore",
              "live_step", "rebind", "restored_from", "last_transfer", "attach", "load_dcp", "copied_step"}

@@ -9,10 +9,10 @@ import signal
 import time
 from pathlib import Path
 
-from elastrun.protocol import Pause, ToAgent, ToWorker
+from elastrun.agent.workers.control_server import ControlChannel
+from elastrun.agent.workers.starter import ExitStatus, WorkerHandle, WorkerLaunch, WorkerStarter
 from elastrun.rendezvous.api import Member, RoundResult
-from elastrun.workers.api import ExitStatus, WorkerHandle, WorkerLaunch, WorkerStarter
-from elastrun.workers.control import ControlChannel
+from elastrun.shared.protocol import Pause, ToAgent, ToWorker
 
 
 class StandInHandle(WorkerHandle):

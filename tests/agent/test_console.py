@@ -1,4 +1,4 @@
-"""elastrun's own messages (elastrun.log): one console format, and -q/-v the same for every part."""
+"""elastrun's own messages (elastrun.shared.log): one console format, and -q/-v the same for every part."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from elastrun import log
+from elastrun.shared import log
 from tests.harness import REPO, base_env
 
 PARTS = ("agent", "pool", "rendezvous", "launcher", "observe", "cli")

@@ -17,11 +17,11 @@ import pytest
 
 from elastrun.agent import group as group_module
 from elastrun.agent.group import Outcome, WorkerGroup
-from elastrun.agent.reform import Phase, ReformSession
+from elastrun.agent.reform_session import Phase, ReformSession
 from elastrun.agent.report import AgentReport
+from elastrun.agent.workers.starter import WorkerLaunch
 from elastrun.config import LaunchConfig
-from elastrun.protocol import HEARTBEAT_ENV, Assign, Paused, Reformed, exit_report_path
-from elastrun.workers.api import WorkerLaunch
+from elastrun.shared.protocol import HEARTBEAT_ENV, Assign, Paused, Reformed, exit_report_path
 from tests.agent.standins import StandInChannel, StandInStarter, round_result
 
 

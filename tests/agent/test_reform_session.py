@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from elastrun.agent.reform import WORKER_WAIT, Phase, ReformSession
-from elastrun.protocol import SOCKET_ENV, WAIT_ENV, Assign, Failed, Pause, Paused, Reformed
-from elastrun.workers.api import WorkerLaunch
+from elastrun.agent.reform_session import WORKER_WAIT, Phase, ReformSession
+from elastrun.agent.workers.starter import WorkerLaunch
+from elastrun.shared.protocol import SOCKET_ENV, WAIT_ENV, Assign, Failed, Pause, Paused, Reformed
 from tests.agent.standins import StandInChannel, StandInHandle
 
 

@@ -14,8 +14,8 @@ import torch
 
 from elastrun.agent.replicator import Replicator
 from elastrun.agent.snapserver import SnapshotServer, snapshot_key
-from elastrun.peer import wire
-from elastrun.peer.replicas import BLOCK, PushRequest, PushStatus, push_path, status_path
+from elastrun.shared import snapshot_wire as wire
+from elastrun.shared.replicas import BLOCK, PushRequest, PushStatus, push_path, status_path
 from elastrun.train.sharded import slots
 from elastrun.train.sharded.layout import lay_out
 from elastrun.train.snapclient import Get, SnapshotClient, writable

@@ -15,8 +15,8 @@ import pytest
 from elastrun.agent import hang, stall
 from elastrun.agent.group import Outcome
 from elastrun.agent.hang import HangTracker, StartupHistory, startup_bound
-from elastrun.observe import steplog
-from elastrun.protocol import HEARTBEAT_ENV, Paused, Reformed
+from elastrun.shared import steplog
+from elastrun.shared.protocol import HEARTBEAT_ENV, Paused, Reformed
 from tests.agent.standins import StandInChannel, round_result
 from tests.agent.test_group import setup  # noqa: F401 - the fixture
 

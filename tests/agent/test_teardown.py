@@ -1,6 +1,6 @@
 """A job whose scripts finished ends with exit 0, whatever their interpreters do on the way out.
 
-Workers run through :mod:`elastrun.inworker.bootstrap`, which reports the script's exit code to
+Workers run through :mod:`elastrun.worker.bootstrap`, which reports the script's exit code to
 the agent before the interpreter's exit and leaves with ``os._exit``.  These tests run real agents
 with workers that abort or hang *after* their script returned (the agent must keep exit 0, warn,
 and spend nothing) or abort *before* it returned (still a failure), under both start methods;
@@ -99,7 +99,7 @@ def test_native_output_is_flushed_before_the_exit(tmp_path):
 GUARD_PROBE = """
 from torch.distributed import destroy_process_group as imported_early
 import torch.distributed as dist
-from elastrun.inworker import pg_guard
+from elastrun.worker import pg_guard
 dist.init_process_group("gloo")
 group = dist.group.WORLD
 dist.destroy_process_group()

@@ -18,8 +18,8 @@ from elastrun.observe import start_observability
 from elastrun.observe.events import EventLog
 from elastrun.observe.goodput import CAUSES, compute
 from elastrun.observe.goodput_report import GoodputTracker, format_breakdown, read_logs, summary_line, to_json
-from elastrun.observe.status import format_status
-from elastrun.observe.steplog import BLOCKED, GROW, RESTORE, STEP, ProcessLog, Record, StepLog, read
+from elastrun.observe.status_view import format_status
+from elastrun.shared.steplog import BLOCKED, GROW, RESTORE, STEP, ProcessLog, Record, StepLog, read
 
 NODE = "host-1-abcd"
 T = 1_000_000.0
@@ -167,7 +167,7 @@ def test_step_records_round_trip_through_the_mapped_file(tmp_path: Path, monkeyp
 
 
 def test_outside_an_agent_nothing_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from elastrun.observe.steplog import default_path
+    from elastrun.shared.steplog import default_path
 
     monkeypatch.delenv("ELASTRUN_NODE_ID", raising=False)
     monkeypatch.delenv("ELASTRUN_STEP_LOG", raising=False)

@@ -8,11 +8,11 @@ import urllib.request
 
 import pytest
 
-from elastrun import log as console_log
 from elastrun.config import LaunchConfig
 from elastrun.observe import start_observability
 from elastrun.observe.events import EventLog
 from elastrun.observe.metrics import Registry
+from elastrun.shared import log as console_log
 from tests.harness import REPO, base_env, free_port, wait_until
 
 AGENT_SOURCE = REPO / "elastrun" / "agent" / "agent.py"

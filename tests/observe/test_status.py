@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from elastrun.observe.status import read_status
+from elastrun.observe.status_view import read_status
 from elastrun.rendezvous import registry
 from elastrun.rendezvous.api import RendezvousParameters, StatusNotSupportedError
 from tests.harness import REPO, alive, base_env, free_port, listening, read_steps, wait_until

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from elastrun.observe.status import read_status
+from elastrun.observe.status_view import read_status
 from elastrun.rendezvous.api import JobNotFoundError, RendezvousConnectionError, RendezvousParameters
 from tests.harness import REPO, alive, base_env, free_port, read_steps, wait_until
 from tests.rendezvous.etcd_cluster import EtcdCluster, etcd_available

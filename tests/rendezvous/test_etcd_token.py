@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from elastrun.observe.status import read_status
+from elastrun.observe.status_view import read_status
 from elastrun.rendezvous.api import RendezvousParameters
 from elastrun.rendezvous.auth import TOKEN_ENV, JobTokenRejected
 from elastrun.rendezvous.etcd.client import EtcdClient, EtcdSettings, Shared

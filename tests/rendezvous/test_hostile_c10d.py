@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import time
 
-from elastrun.observe.status import read_status
+from elastrun.observe.status_view import read_status
 from elastrun.rendezvous.api import RendezvousParameters
 from elastrun.rendezvous.auth import JobToken
 from tests.harness import free_port, listening, read_steps, wait_until

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from elastrun.observe.status import read_status
+from elastrun.observe.status_view import read_status
 from elastrun.rendezvous.api import RendezvousConfigError, RendezvousParameters
 from elastrun.rendezvous.auth import TOKEN_ENV, JobToken, JobTokenRejected, hkdf_sha256, load_token
 from tests.harness import base_env, free_port, listening, read_steps, wait_until

@@ -11,10 +11,9 @@ import time
 
 import pytest
 
-from elastrun.rendezvous import seats, store_closing
 from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
-from elastrun.rendezvous.c10d import create_handler
-from elastrun.rendezvous.store_status import read_store_status
+from elastrun.rendezvous.c10d import closing, create_handler, seats
+from elastrun.rendezvous.c10d.status import read_store_status
 from tests.harness import base_env, free_port
 
 NODES = 24
@@ -28,7 +27,7 @@ CALM = {"heartbeat_timeout": "30"}
 @pytest.mark.parametrize("token", [False, True], ids=["plain", "token"])
 def test_a_round_with_many_nodes_is_consistent(token, seated, monkeypatch):
     if seated:  # the layout of a round of more than 64 members (seats.py), at a size that fits a test
-        monkeypatch.setattr(store_closing, "FULL_LIST_MAX", 8)
+        monkeypatch.setattr(closing, "FULL_LIST_MAX", 8)
         monkeypatch.setattr(seats, "PART_ROWS", 5)
     if token:
         monkeypatch.setenv("ELASTRUN_JOB_TOKEN", "many-nodes-0123456789abcdef0123456789")
@@ -191,10 +190,10 @@ def test_a_round_whose_closer_died_before_its_result_is_given_up_and_the_next_on
 def test_old_rounds_keys_are_deleted_so_the_store_stays_bounded(monkeypatch):
     """After each round the closer deletes the keys of the round KEEP_ROUNDS before it, seats and
     parts of a seated round included: a job that goes through many rounds keeps a bounded store."""
-    monkeypatch.setattr(store_closing, "FULL_LIST_MAX", 3)
+    monkeypatch.setattr(closing, "FULL_LIST_MAX", 3)
     monkeypatch.setattr(seats, "PART_ROWS", 2)
     monkeypatch.delenv("ELASTRUN_JOB_TOKEN", raising=False)
-    nodes, rounds = 5, store_closing.KEEP_ROUNDS + 3
+    nodes, rounds = 5, closing.KEEP_ROUNDS + 3
     port = free_port()
     handlers = [create_handler(RendezvousParameters("c10d", f"127.0.0.1:{port}", "prune", nodes, nodes,
                                                     config={"is_host": str(i == 0).lower(), "host_linger": "0",
@@ -211,7 +210,7 @@ def test_old_rounds_keys_are_deleted_so_the_store_stays_bounded(monkeypatch):
                 t.join(60)
             assert {r.round for r in results.values()} == {expected}
         store, prefix = handlers[0]._store, handlers[0]._prefix
-        gone_round = rounds - 1 - store_closing.KEEP_ROUNDS  # the newest round whose keys must be gone by now
+        gone_round = rounds - 1 - closing.KEEP_ROUNDS  # the newest round whose keys must be gone by now
         old_keys = [f"r{gone_round}/{k}" for k in ("result", "joined", "node/1", "part/0", "seat/node0")]
         kept_keys = [f"r{gone_round + 1}/{k}" for k in ("result", "part/0", "seat/node0")]
         deadline = time.monotonic() + 10

@@ -92,7 +92,7 @@ def test_entry_point_group_is_declared_in_the_package():
     data = tomllib.loads((REPO / "pyproject.toml").read_text())
     group = data["project"]["entry-points"][registry.ENTRY_POINT_GROUP]
     assert group["c10d"] == "elastrun.rendezvous.c10d:BACKEND"
-    assert group["static"] == "elastrun.rendezvous.static:BACKEND"
+    assert group["static"] == "elastrun.rendezvous.c10d.static:BACKEND"
     for name, target in group.items():  # each names a backend object that the registry loads
         assert isinstance(registry._as_backend(registry._load(target)), registry.RendezvousBackend), name
 

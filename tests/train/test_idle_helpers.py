@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from elastrun.protocol import Pause
+from elastrun.shared.protocol import Pause
 from elastrun.train import copier, snapshot
 from elastrun.train.reform import Link
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from elastrun.peer.replicas import REPLICAS, CorruptReplica, Sums, block_crcs
+from elastrun.shared.replicas import REPLICAS, CorruptReplica, Sums, block_crcs
 from elastrun.train.sharded import slots
 from elastrun.train.sharded.fetch import FileRef, LocalFile, PeerTransport, Resolver
 from elastrun.train.sharded.layout import Ref, join, lay_out, split
-from elastrun.train.sharded.plan import ShardReport, make_plan
 from elastrun.train.sharded.reader import dcp_metadata, read_items
+from elastrun.train.sharded.shard_plan import ShardReport, make_plan
 
 
 def write_shard(directory, rank: int, step: int, world: int, rows: range, full: torch.Tensor) -> None:

@@ -161,7 +161,7 @@ _copied: dict[int, int] = {}
 def record_copies(out: Path, rank: int) -> None:
     """Append this rank's newest copy to another node's memory, as its agent reported it, to
     ``copied.r<rank>.jsonl`` (step, ok) when it changed."""
-    from elastrun.peer.replicas import PushStatus, status_path
+    from elastrun.shared.replicas import PushStatus, status_path
 
     status = PushStatus.read(status_path(Path(os.environ.get("ELASTRUN_SNAPSHOT_DIR", "/nonexistent")), "shard", rank))
     if status is None or _copied.get(rank) == status.step:

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from elastrun import log
-from elastrun.inworker.control import ControlClient
-from elastrun.protocol import (
+from elastrun.agent.workers.control_server import ControlServer
+from elastrun.shared import log
+from elastrun.shared.protocol import (
     TO_AGENT,
     TO_WORKER,
     Assign,
@@ -30,7 +30,7 @@ from elastrun.protocol import (
     encode,
     from_wire,
 )
-from elastrun.workers.control import ControlServer
+from elastrun.worker.control_client import ControlClient
 
 EVERY = [Hello(pid=7, local_rank=1), Pause(), Paused(live=12, pid=7), Paused(live=None, pid=7),
          Assign(env={"RANK": "3"}, round=4), Reformed(round=4, source="live", step=12, took=0.25, after="x"),

@@ -4,8 +4,8 @@ dying worker's traceback (a real pump on a real pipe)."""
 import os
 import threading
 
-from elastrun.workers import logs
-from elastrun.workers.logs import StreamPump
+from elastrun.agent.workers import logs
+from elastrun.agent.workers.logs import StreamPump
 from tests.harness import base_env, wait_until
 
 SCRIPT = "import os,sys; print('hello from', os.environ['RANK']); print('oops', os.environ['RANK'], file=sys.stderr)"

@@ -21,12 +21,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastrun import log
+from elastrun.agent.workers.pool import PoolHandle, PoolStarter, select_starter
+from elastrun.agent.workers.spawn import ChildHandle, ExecStarter
+from elastrun.agent.workers.starter import WorkerLaunch
 from elastrun.config import LaunchConfig
-from elastrun.protocol import exec_argv
-from elastrun.workers.api import WorkerLaunch
-from elastrun.workers.pool import PoolHandle, PoolStarter, select_starter
-from elastrun.workers.spawn import ChildHandle, ExecStarter
+from elastrun.shared import log
+from elastrun.shared.protocol import exec_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable

@@ -19,7 +19,6 @@ import threading
 import time
 from typing import Any
 
-from elastrun import log
 from elastrun.rendezvous.api import (
     JobFailedError,
     JobFinishedError,
@@ -46,10 +45,11 @@ from elastrun.rendezvous.etcd.client import (
     op_range,
     prefix_end,
 )
-from elastrun.rendezvous.etcd.keepalive import LeaseKeeper
+from elastrun.rendezvous.etcd.lease_keeper import LeaseKeeper
 from elastrun.rendezvous.etcd.streams import WatchSet
 from elastrun.rendezvous.link import Link, Wakeup
 from elastrun.rendezvous.rounds import timeout_error
+from elastrun.shared import log
 
 
 def one_key_end(key: str) -> str:

@@ -1,6 +1,6 @@
 """Leases, this agent's registration, and the job's incarnation.
 
-An agent holds a lease (renewed by :class:`~elastrun.rendezvous.etcd.keepalive.LeaseKeeper`), puts
+An agent holds a lease (renewed by :class:`~elastrun.rendezvous.etcd.lease_keeper.LeaseKeeper`), puts
 ``P/agents/<node>`` under it, and adopts the incarnation named by ``P/epoch``.  Where no agent is
 live, one agent claims the start of a new incarnation (``P/claim``, under its own lease) and the
 others wait for it on a watch; a stale incarnation's keys go with the start.  Where ``P/epoch``
@@ -38,7 +38,7 @@ from elastrun.rendezvous.etcd.client import (
     op_range,
     prefix_end,
 )
-from elastrun.rendezvous.etcd.keepalive import LeaseKeeper
+from elastrun.rendezvous.etcd.lease_keeper import LeaseKeeper
 from elastrun.rendezvous.etcd.streams import Event, WatchSet
 
 

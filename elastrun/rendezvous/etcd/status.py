@@ -5,7 +5,7 @@ reads every key under ``/elastrun/<run_id>/`` in one range request (so the pictu
 consistent etcd revision), then asks etcd how long each member's agent lease has left
 (``LeaseTimeToLive``, also read-only).  The key layout is the one documented in
 :mod:`elastrun.rendezvous.etcd.handler`; the document returned has the fields of the c10d
-reader's (:func:`elastrun.rendezvous.store_status.read_store_status`, docs/observe.md) plus a few
+reader's (:func:`elastrun.rendezvous.c10d.status.read_store_status`, docs/observe.md) plus a few
 etcd-only ones:
 
 - ``incarnation`` (top level): the id of the job's live incarnation (``P/epoch``);

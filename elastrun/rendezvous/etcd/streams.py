@@ -9,7 +9,7 @@ stream behind it, each message received one response.  So an agent holds:
   ``create_request`` naming its ``watch_id`` and dropped with a ``cancel_request``, on the same
   connection (with one HTTP request per range, an agent held two streams, and a round's closer
   four, each reconnected every 10 s while idle);
-- **one keep-alive stream** (:class:`~elastrun.rendezvous.etcd.keepalive.KeepAliveStream`, in
+- **one keep-alive stream** (:class:`~elastrun.rendezvous.etcd.lease_keeper.KeepAliveStream`, in
   :mod:`.keepalive` with the cadence that drives it): a renewal is one message, where it was one
   HTTP request (and a new gRPC stream inside the member) per renewal.
 

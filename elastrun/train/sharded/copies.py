@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastrun.peer.replicas import PushRequest, PushStatus, push_path, status_path
-from elastrun.train.sharded.plan import ShardReport
+from elastrun.shared.replicas import PushRequest, PushStatus, push_path, status_path
+from elastrun.train.sharded.shard_plan import ShardReport
 from elastrun.train.sharded.slots import ShardSlots
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elastrun.peer.replicas import Sums, verify
+from elastrun.shared.replicas import Sums, verify
 from elastrun.train import dist as edist
 from elastrun.train.gpu.load import Piece, load
 from elastrun.train.snapclient import STREAMS, Get, fetch, writable
@@ -46,7 +46,7 @@ class FileRef:
 class LocalFile:
     """A snapshot data file in this node's memory, mapped copy-on-write (the file is never changed;
     only the pages read are touched).  With ``sums`` it is a replica: each block is checked against
-    its CRC the first time a read touches it (:class:`~elastrun.peer.replicas.CorruptReplica`)."""
+    its CRC the first time a read touches it (:class:`~elastrun.shared.replicas.CorruptReplica`)."""
 
     def __init__(self, path: Path, nbytes: int, sums: Sums | None = None) -> None:
         self.path = path

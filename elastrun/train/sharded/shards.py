@@ -56,8 +56,8 @@ from elastrun.train.sharded.layout import (
     twins,
     unwrap,
 )
-from elastrun.train.sharded.plan import ShardPlan, ShardReport, lost, make_plan
 from elastrun.train.sharded.reader import entries_of, open_step
+from elastrun.train.sharded.shard_plan import ShardPlan, ShardReport, lost, make_plan
 
 FORMAT = "elastrun-shard/1"
 #: Stale snapshots (of another world size) are looked for every this many commits.

@@ -11,7 +11,7 @@ state's ``shared.<slot>.*`` files of data-parallel jobs:
 
 The pair is self-describing: a byte-for-byte copy of both files is a valid replica on another
 node.  The agents make such copies (``replicas/<source node>/``, with a ``.sum`` file of block CRCs:
-``elastrun/peer/replicas.py``); :func:`scan_node` lists a node's own files and its replicas.  The
+``elastrun/shared/replicas.py``); :func:`scan_node` lists a node's own files and its replicas.  The
 union of the meta files of ranks ``0..world_size-1`` at one step is a DCP checkpoint's metadata
 (:func:`elastrun.train.sharded.reader.dcp_metadata`).
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from elastrun.peer.replicas import REPLICAS, Sums, replica_dirs
+from elastrun.shared.replicas import REPLICAS, Sums, replica_dirs
 from elastrun.train.snapshot import MemorySnapshots
 
 #: ``State``'s snapshots; :mod:`elastrun.train.sharded.storage` writes kind ``dcp`` for ``dcp.save``.

@@ -37,8 +37,8 @@ from elastrun.train.blob import Entry as BlobEntry
 from elastrun.train.blob import Flattened, copy_into
 from elastrun.train.sharded import slots
 from elastrun.train.sharded.layout import ALIGN, Entry
-from elastrun.train.sharded.plan import ShardReport, memory_steps
 from elastrun.train.sharded.reader import BYTES, SnapshotReader, open_step
+from elastrun.train.sharded.shard_plan import ShardReport, memory_steps
 from elastrun.train.snapdir import snapshot_dir as _snapshot_dir
 
 KIND = "dcp"

@@ -1,8 +1,8 @@
 """What a worker leaves for its agent, read on the agent's side: heartbeats, exit reports, error files.
 
-The worker writes them (:mod:`elastrun.inworker.heartbeat`, :mod:`elastrun.inworker.errorfile`);
+The worker writes them (:mod:`elastrun.worker.heartbeat`, :mod:`elastrun.worker.errorfile`);
 the agent only reads them, and clears a rank's heartbeat and exit report before starting a worker
-with those paths.  Their names and places are in :mod:`elastrun.protocol`.
+with those paths.  Their names and places are in :mod:`elastrun.shared.protocol`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from elastrun.protocol import exit_report_path
+from elastrun.shared.protocol import exit_report_path
 
 
 def read_heartbeat(path: str) -> float | None:

@@ -7,7 +7,7 @@ it died, or it is stuck; see the grace constants below).  The closer claims ``cl
 ``current`` on, judges the previous round's end (:func:`~elastrun.rendezvous.rounds.judge_round_end`:
 what it charged, whether the job goes on), starts the workers' store when it is group rank 0, and
 publishes ``result`` (with seats and parts in a round of more than :data:`FULL_LIST_MAX` members,
-:mod:`elastrun.rendezvous.seats`); then it deletes the keys of the round :data:`KEEP_ROUNDS` back,
+:mod:`elastrun.rendezvous.c10d.seats`); then it deletes the keys of the round :data:`KEEP_ROUNDS` back,
 on a thread of its own.  With a job token the counters are hints only: the close is decided again
 on authentic joins (:class:`JoinSlots`).
 
@@ -15,7 +15,7 @@ on authentic joins (:class:`JoinSlots`).
 owns the state it reads (``params``, ``conf``, ``min_nodes``, ``max_nodes``, ``_node``, ``_result``,
 ``_roster``, ``_error``, ``_fetched``, ``_closer``, ``_worker_store``) and the join's helpers it calls
 (``_check_job_ended``, ``_timeout_error``, and ``_lost_causes`` and ``_start_heartbeat`` of
-:class:`~elastrun.rendezvous.store_liveness.Liveness`).  The keys are listed in
+:class:`~elastrun.rendezvous.c10d.liveness.Liveness`).  The keys are listed in
 docs/rendezvous-protocol.md.
 """
 
@@ -27,6 +27,8 @@ import time
 from typing import Any
 
 from elastrun.rendezvous.api import FailureRecord, NodeInfo
+from elastrun.rendezvous.c10d.client import StoreClient, all_present
+from elastrun.rendezvous.c10d.seats import FULL_LIST_MAX, FullRoster, all_members, is_seated, split_result
 from elastrun.rendezvous.endpoint import host_worker_store
 from elastrun.rendezvous.keepalive import RingWatch
 from elastrun.rendezvous.rounds import (
@@ -40,8 +42,6 @@ from elastrun.rendezvous.rounds import (
     result_document,
     round_cause,
 )
-from elastrun.rendezvous.seats import FULL_LIST_MAX, FullRoster, all_members, is_seated, split_result
-from elastrun.rendezvous.store_client import StoreClient, all_present
 from elastrun.rendezvous.waiting import NAMED, waiting_line
 
 _CLOSER_POLL = 0.02

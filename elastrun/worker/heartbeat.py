@@ -8,9 +8,9 @@ a worker whose heartbeats stop for longer than its hang timeout is dumped (fault
 SIGABRT) and killed.  A script that never calls ``heartbeat`` is never judged hung.
 
 The same channel carries one more fact: that the worker's script has returned, and with which
-exit code (:func:`report_exit`, called by :mod:`elastrun.inworker.bootstrap`).  What the process
+exit code (:func:`report_exit`, called by :mod:`elastrun.worker.bootstrap`).  What the process
 does after that — interpreter teardown — cannot fail the job: the agent reads the code back
-(:func:`elastrun.workers.reports.read_exit_report`) and keeps it whatever signal or hang ends the
+(:func:`elastrun.agent.workers.reports.read_exit_report`) and keeps it whatever signal or hang ends the
 process.
 
 Example::
@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import time
 
-from elastrun.protocol import HEARTBEAT_ENV, exit_report_path
+from elastrun.shared.protocol import HEARTBEAT_ENV, exit_report_path
 
 _MIN_INTERVAL = 0.05
 _fd: int | None = None

@@ -3,7 +3,7 @@
 A hung worker's stacks come from SIGABRT (faulthandler), which ends it.  Several moments want the
 stacks of processes that must live on: a stalled group that is about to be re-formed in process
 (its workers keep their process), and a test harness keeping the evidence of a failed run before it
-kills anything.  So every Python worker (:mod:`elastrun.inworker.bootstrap`) and every agent install
+kills anything.  So every Python worker (:mod:`elastrun.worker.bootstrap`) and every agent install
 :func:`install`: on :data:`DUMP_SIGNAL` faulthandler writes every thread's Python stack to the
 process's stderr (its log) from the signal handler itself, in C, so a thread blocked in a
 collective, or one holding the interpreter lock, does not keep it from being written.
@@ -14,7 +14,7 @@ first milliseconds (a fork of the pool's template, a ``--no-python`` program) ha
 
 Example::
 
-    from elastrun import stackdump
+    from elastrun.shared import stackdump
 
     stackdump.install()                  # in the process to be asked
     stackdump.request(pid)               # from anywhere: True when the stacks are being written

@@ -1,6 +1,6 @@
 """Worker entry point for :func:`elastrun.launcher.launch` with a function.
 
-``python -m elastrun.inworker.run_function CALL_FILE RESULT_DIR``: load (module, name, args) from
+``python -m elastrun.worker.run_function CALL_FILE RESULT_DIR``: load (module, name, args) from
 ``CALL_FILE``, call the function, and write its return value to ``RESULT_DIR/result_<rank>.pkl``.
 A function defined in the launching script's ``__main__`` is found by running that script as a
 module named ``__mp_main__`` (so its ``if __name__ == "__main__"`` block does not run again).
@@ -14,7 +14,7 @@ import pickle
 import runpy
 import sys
 
-from elastrun.inworker.errorfile import record
+from elastrun.worker.errorfile import record
 
 
 def _resolve(module: str, qualname: str, main_path: str | None):

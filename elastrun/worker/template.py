@@ -1,6 +1,6 @@
 """The warm pool's template process: imports torch once, then forks ready-to-run workers.
 
-Started by :class:`elastrun.workers.pool.PoolStarter` as
+Started by :class:`elastrun.agent.workers.pool.PoolStarter` as
 ``python -c <bootstrap> AGENT_PID SOCKET_FD PRELOAD`` before the rendezvous, so that its
 imports (torch, ``torch._dynamo``, the DDP path, ``torch.distributed`` and the user's
 ``--preload`` modules: 5 to 7 s on two cores) overlap the round instead of delaying every
@@ -23,7 +23,7 @@ would fire when the intermediate child exits.
 
 The worker is turned into what ``python -u SCRIPT ARGS`` would have been (see
 :func:`_become_worker`); then it runs the job and leaves through
-:func:`elastrun.inworker.bootstrap.run_target`, exactly as an exec'd worker does (exit codes,
+:func:`elastrun.worker.bootstrap.run_target`, exactly as an exec'd worker does (exit codes,
 atexit handlers, non-daemon threads, flushing, death by SIGINT after ``KeyboardInterrupt``, then
 ``os._exit`` past the interpreter's teardown).
 """
@@ -42,8 +42,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from elastrun.inworker.bootstrap import run_target
-from elastrun.prctl import set_parent_death_signal
+from elastrun.shared.prctl import set_parent_death_signal
+from elastrun.worker.bootstrap import run_target
 
 #: Imports every worker of a torch job pays: ``torch._dynamo`` comes with the first DDP model.
 BASE_IMPORTS = ("torch", "torch._dynamo", "torch.nn.parallel", "torch.distributed")

@@ -3,7 +3,7 @@
 ``import torch`` costs about 2.5 s on two cores and the first DDP model pulls in
 ``torch._dynamo`` for 2 to 4 s more; torchrun pays that in every worker, at every restart, all
 workers at once on the same cores.  :class:`PoolStarter` pays it once per agent, in a template
-process (:mod:`elastrun.inworker.template`) started by :meth:`PoolStarter.prepare` before the
+process (:mod:`elastrun.worker.template`) started by :meth:`PoolStarter.prepare` before the
 rendezvous, and then forks each worker in milliseconds.
 
 How a forked worker stays a normal child of the agent:
@@ -37,11 +37,11 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from elastrun import log
+from elastrun.agent.workers.spawn import ChildHandle, ExecStarter, StreamSet
+from elastrun.agent.workers.starter import WorkerHandle, WorkerLaunch, WorkerStarter
 from elastrun.config import LaunchConfig
-from elastrun.prctl import child_subreaper, set_child_subreaper
-from elastrun.workers.api import WorkerHandle, WorkerLaunch, WorkerStarter
-from elastrun.workers.spawn import ChildHandle, ExecStarter, StreamSet
+from elastrun.shared import log
+from elastrun.shared.prctl import child_subreaper, set_child_subreaper
 
 #: ``--start-method`` values served by the pool (``fork``, the default); "spawn" execs every worker.
 POOL_METHODS = ("fork", "forkserver")
@@ -60,7 +60,7 @@ APPLIED_IN_WORKER = frozenset({"PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHON
 _BOOTSTRAP = (
     "import sys\n"
     "sys.path[0] = {root!r}\n"
-    "from elastrun.inworker.template import main\n"
+    "from elastrun.worker.template import main\n"
     "main(sys.argv[1:])\n"
 )
 

@@ -8,9 +8,9 @@ other nodes' committed shards that their agents push to it (:mod:`elastrun.agent
 
 What both sides import, neither the agent's nor the worker's code:
 
-* :mod:`elastrun.peer.wire`: framing, the handshake (an HMAC challenge and response in both
+* :mod:`elastrun.shared.snapshot_wire`: framing, the handshake (an HMAC challenge and response in both
   directions with a key derived from the job token; none without a token), the request names;
-* :mod:`elastrun.peer.replicas`: the replica files (a copy of the data and meta files plus a
+* :mod:`elastrun.shared.replicas`: the replica files (a copy of the data and meta files plus a
   ``.sum`` file of block CRCs), the push requests a worker leaves for its agent, and their checks.
 
 docs/train.md, "Peer replicas and the snapshot server", has the protocol and the guarantees.

@@ -1,7 +1,7 @@
 """Linux ``prctl(2)`` for the two things elastrun asks of it: a parent-death signal, a child subreaper.
 
 One ctypes binding for the agent (the pool adopts its orphaned workers) and the template (its
-forked workers die with it).  The exec path's shim (:mod:`elastrun.workers.spawn`) makes the same
+forked workers die with it).  The exec path's shim (:mod:`elastrun.agent.workers.spawn`) makes the same
 call in a bare ``python -S`` interpreter that cannot import elastrun, so it spells it out there.
 """
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 import time
 
 from elastrun.rendezvous.api import Member, NodeInfo
+from elastrun.rendezvous.c10d.client import StoreClient
+from elastrun.rendezvous.c10d.seats import Roster
 from elastrun.rendezvous.keepalive import Heartbeat
 from elastrun.rendezvous.link import listen_for_watchers
-from elastrun.rendezvous.seats import Roster
-from elastrun.rendezvous.store_client import StoreClient
 
 
 class Liveness(StoreClient):
@@ -80,7 +80,7 @@ class Liveness(StoreClient):
                                 self._seat_reader(round_, store))
 
     def _seat_reader(self, round_: int | None, store=None):
-        """Reads a member's seat of ``round_`` (a seated round: :mod:`elastrun.rendezvous.seats`) over ``store``."""
+        """Reads a member's seat of ``round_`` (seated: :mod:`elastrun.rendezvous.c10d.seats`) over ``store``."""
         return lambda node_id: None if round_ is None else self._read(self._r(round_, "seat", node_id), store)
 
     def _start_link(self, node: NodeInfo) -> None:

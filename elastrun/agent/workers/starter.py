@@ -22,8 +22,8 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elastrun import stackdump
-from elastrun.workers.logs import tail_text
+from elastrun.agent.workers.logs import tail_text
+from elastrun.shared import stackdump
 
 
 @dataclass
@@ -127,7 +127,7 @@ class WorkerHandle(abc.ABC):
 
     def dump_stacks(self) -> bool:
         """Ask the worker for every thread's Python stack, written to its stderr, without ending it
-        (:mod:`elastrun.stackdump`); False when it cannot be asked (no handler yet, not Python, gone)."""
+        (:mod:`elastrun.shared.stackdump`); False when it cannot be asked (no handler yet, not Python, gone)."""
         return stackdump.request(self.pid)
 
     def set_console_prefix(self, prefix: str) -> None:
@@ -136,7 +136,7 @@ class WorkerHandle(abc.ABC):
 
     def console_held(self) -> bool:
         """Whether the worker's console output is held back now: a traceback it printed as it died,
-        awaiting the agent's judgement (:mod:`elastrun.workers.logs`).  False for a worker whose
+        awaiting the agent's judgement (:mod:`elastrun.agent.workers.logs`).  False for a worker whose
         output does not pass through the agent."""
         return False
 

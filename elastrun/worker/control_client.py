@@ -1,7 +1,7 @@
 """The worker's end of the control channel to its agent (in-process re-forms, ``elastrun.train.run``).
 
-The agent's end is :class:`elastrun.workers.control.ControlServer`; the messages and their framing
-are in :mod:`elastrun.protocol`.  A message from the agent that this worker does not understand is
+The agent's end is :class:`elastrun.agent.workers.control_server.ControlServer`; the messages and their framing
+are in :mod:`elastrun.shared.protocol`.  A message from the agent that this worker does not understand is
 refused: the worker says why on its stderr and leaves the channel (``on_message(None)``, as if the
 agent had closed it), so it is restarted rather than re-formed.
 """
@@ -14,7 +14,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from elastrun.protocol import SOCKET_ENV, TO_WORKER, Hello, LineReader, ProtocolError, ToAgent, ToWorker, encode
+from elastrun.shared.protocol import SOCKET_ENV, TO_WORKER, Hello, LineReader, ProtocolError, ToAgent, ToWorker, encode
 
 OnMessage = Callable[[ToWorker | None], None]
 

@@ -19,12 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-from elastrun.log import CONSOLE_LOCK
-from elastrun.workers.api import ExitStatus, WorkerHandle, WorkerLaunch, WorkerStarter
-from elastrun.workers.logs import StreamPump, tail_text
+from elastrun.agent.workers.logs import StreamPump, tail_text
+from elastrun.agent.workers.starter import ExitStatus, WorkerHandle, WorkerLaunch, WorkerStarter
+from elastrun.shared.log import CONSOLE_LOCK
 
 # Runs under ``python -S``: set the parent-death signal (prctl(PR_SET_PDEATHSIG), spelled out: this
-# bare interpreter cannot import elastrun.prctl), make sure the agent did not die before
+# bare interpreter cannot import elastrun.shared.prctl), make sure the agent did not die before
 # that, then become the real worker.  argv: shim, agent_pid, program, args...
 _PDEATHSIG_SHIM = (
     "import ctypes,os,signal,sys\n"

@@ -4,7 +4,7 @@
 not join a round and does not write a key.  It only uses the store's read operations
 (``check``, ``get``, ``multi_get`` on keys known to exist, so no read ever blocks waiting for a
 key), on the keys the c10d and static backends write under ``/elastrun/<run_id>/`` (see
-elastrun/rendezvous/c10d.py, store_closing.py and docs/rendezvous-protocol.md).  A job started with a job token
+elastrun/rendezvous/c10d/handler.py, store_closing.py and docs/rendezvous-protocol.md).  A job started with a job token
 keeps its keys under a secret namespace and seals its values: the reader needs the same token
 (``--rdzv-conf token_file=PATH`` or ``$ELASTRUN_JOB_TOKEN``) and shows only authentic values.
 
@@ -25,9 +25,9 @@ from typing import Any
 
 from elastrun.rendezvous.api import JobNotFoundError, RendezvousConnectionError, RendezvousError, RendezvousParameters
 from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth, load_token
+from elastrun.rendezvous.c10d.seats import all_members
 from elastrun.rendezvous.endpoint import split_endpoint
 from elastrun.rendezvous.rounds import decode_result, is_void
-from elastrun.rendezvous.seats import all_members
 from elastrun.rendezvous.status_doc import node_row, status_document
 
 #: A member whose heartbeat is older than this is shown as ``silent`` (the default heartbeat

@@ -8,7 +8,7 @@ function raises, a JSON file at ``$TORCHELASTIC_ERROR_FILE``::
 
 ``elastrun.record`` writes the same shape, so either decorator works under elastrun and torchrun,
 and the agent reads the traceback back for its root-cause summary
-(:func:`elastrun.workers.reports.read_error_file`).
+(:func:`elastrun.agent.workers.reports.read_error_file`).
 """
 
 from __future__ import annotations

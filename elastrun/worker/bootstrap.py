@@ -8,14 +8,14 @@ while still joinable ("terminate called without an active exception", SIGABRT). 
 every script finished could then hang or fail (pytorch#56297; measured in docs/benchmarks.md).
 
 So both starters run the user's code through :func:`run_target` (the exec'd worker through the
-``-c`` program of :func:`elastrun.protocol.exec_argv`, the warm pool's forked worker directly), which:
+``-c`` program of :func:`elastrun.shared.protocol.exec_argv`, the warm pool's forked worker directly), which:
 
 1. runs the script or module as ``__main__``, as ``python [-m] TARGET ARGS`` would, with
-   :mod:`elastrun.inworker.pg_guard` keeping destroyed process groups alive until the exit (the
+   :mod:`elastrun.worker.pg_guard` keeping destroyed process groups alive until the exit (the
    same race, met inside the script when ``destroy_process_group()`` precedes freeing the model);
 2. turns the way it ended into the exit code ``python`` would give (``SystemExit`` codes, an
    uncaught exception: traceback, error file, 1);
-3. reports that code to the agent (:func:`elastrun.inworker.heartbeat.report_exit`): from now on
+3. reports that code to the agent (:func:`elastrun.worker.heartbeat.report_exit`): from now on
    the agent treats a signal death or a hang of this process as a teardown fault, not a failure;
 4. runs the Python-level shutdown — non-daemon threads joined, ``atexit`` handlers, stdio
    flushed — as the interpreter would;
@@ -33,11 +33,11 @@ import signal
 import sys
 import traceback
 
-from elastrun import stackdump
-from elastrun.inworker import pg_guard
-from elastrun.inworker.errorfile import write_error_file
-from elastrun.inworker.heartbeat import report_exit
-from elastrun.procexit import python_shutdown
+from elastrun.shared import stackdump
+from elastrun.shared.procexit import python_shutdown
+from elastrun.worker import pg_guard
+from elastrun.worker.errorfile import write_error_file
+from elastrun.worker.heartbeat import report_exit
 
 
 def exec_main() -> None:

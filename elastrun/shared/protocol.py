@@ -1,7 +1,7 @@
 """What an agent and its workers agree on: the only code both sides of a worker's process boundary import.
 
-The agent's side (``elastrun.agent``, ``elastrun.workers``) and the code that runs inside a worker
-(``elastrun.inworker``, ``elastrun.train``) never import each other; they meet here:
+The agent's side (``elastrun.agent``, ``elastrun.agent.workers``) and the code that runs inside a worker
+(``elastrun.worker``, ``elastrun.train``) never import each other; they meet here:
 
 - how an exec'd worker is entered (:func:`exec_argv`: elastrun's bootstrap runs the user's script);
 - the environment variables the agent sets for elastrun's own use (``*_ENV`` below; torchrun's
@@ -34,7 +34,7 @@ SNAPSHOT_DIR_ENV = "ELASTRUN_SNAPSHOT_DIR"
 #: directory to other nodes and keeps their replicas.
 SNAPSHOT_SERVER_ENV = "ELASTRUN_SNAPSHOT_SERVER"
 #: With a job token: the file (mode 0600) holding the job's snapshot key, which the server and its
-#: clients prove they hold (``elastrun/peer/wire.py``).
+#: clients prove they hold (``elastrun/shared/snapshot_wire.py``).
 SNAPSHOT_KEY_ENV = "ELASTRUN_SNAPSHOT_KEY_FILE"
 
 #: The package's parent directory: the exec'd bootstrap imports this very copy of elastrun.
@@ -43,7 +43,7 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 _EXEC_PROGRAM = (
     "import sys\n"
     "sys.path[0] = {root!r}\n"
-    "from elastrun.inworker.bootstrap import exec_main\n"
+    "from elastrun.worker.bootstrap import exec_main\n"
     "exec_main()\n"
 )
 
@@ -52,7 +52,7 @@ def exec_argv(python: str, target: str, module: bool, args: list[str]) -> list[s
     """The command line of an exec'd worker that runs ``target`` through elastrun's bootstrap.
 
     ``python -u -c PROGRAM [-m] TARGET ARGS...``: unbuffered output as torchrun's workers have;
-    the program is :func:`elastrun.inworker.bootstrap.exec_main`.
+    the program is :func:`elastrun.worker.bootstrap.exec_main`.
     """
     return [python, "-u", "-c", _EXEC_PROGRAM.format(root=_ROOT), *(["-m"] if module else []), target, *args]
 

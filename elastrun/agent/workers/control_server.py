@@ -7,13 +7,13 @@ worker for a change elsewhere, asks it to leave its process group and waits for 
 environment (see docs/train.md, "In-process re-form").  Workers that never connect are handled
 as before: killed and started again.
 
-The messages are the dataclasses of :mod:`elastrun.protocol`: ``Hello``, ``Paused``, ``Reformed``
+The messages are the dataclasses of :mod:`elastrun.shared.protocol`: ``Hello``, ``Paused``, ``Reformed``
 and ``Failed`` from a worker, ``Pause`` and ``Assign`` to it.  A connection that sends anything
 else (not JSON, an unknown type, a wrong field, a message before its ``Hello``) is refused: the
 agent says why and closes it, and that worker is restarted instead of re-formed at the next change.
 
 The agent side (:class:`ControlServer`) never blocks: it is pumped from the agent's ``select``
-loop.  The worker side (:class:`elastrun.inworker.control.ControlClient`) reads on a daemon
+loop.  The worker side (:class:`elastrun.worker.control_client.ControlClient`) reads on a daemon
 thread and hands messages to a callback, so a ``pause`` reaches a training thread that is
 blocked in a collective.
 """
@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import TypeVar
 
-from elastrun import log
-from elastrun.protocol import TO_AGENT, Hello, LineReader, ProtocolError, ToAgent, ToWorker, encode
+from elastrun.shared import log
+from elastrun.shared.protocol import TO_AGENT, Hello, LineReader, ProtocolError, ToAgent, ToWorker, encode
 
 M = TypeVar("M", bound=ToAgent)
 _log = log.get("agent")

@@ -1,7 +1,7 @@
 """The agent's side of in-process re-forms: pause the workers that opted in, hand them the next round.
 
 Workers whose script runs ``elastrun.train.run`` connect to the agent's control channel
-(:mod:`elastrun.workers.control`, messages in :mod:`elastrun.protocol`).  When the agent would kill
+(:mod:`elastrun.agent.workers.control_server`, messages in :mod:`elastrun.shared.protocol`).  When the agent would kill
 its workers for a new round (a local failure, a hang, a change elsewhere), :meth:`ReformSession.pause`
 instead asks those that are alive and connected to leave their process group, and waits — at most
 ``--reform-timeout`` seconds — for each to say it did.  Those that answer are kept: once the next
@@ -28,9 +28,9 @@ import time
 from dataclasses import dataclass, field
 
 from elastrun.agent.runtime import NodeService
-from elastrun.protocol import SOCKET_ENV, WAIT_ENV, Assign, Failed, Pause, Paused, Reformed
-from elastrun.workers.api import WorkerHandle
-from elastrun.workers.control import ControlChannel
+from elastrun.agent.workers.control_server import ControlChannel
+from elastrun.agent.workers.starter import WorkerHandle
+from elastrun.shared.protocol import SOCKET_ENV, WAIT_ENV, Assign, Failed, Pause, Paused, Reformed
 
 #: How long a worker whose group broke on its own (a peer died) waits for its agent's pause: the
 #: agent hears of a dead peer through the rendezvous (a reported failure, a missed heartbeat).

@@ -12,8 +12,8 @@ import os
 
 from elastrun.config import DEFAULT_MASTER_PORT
 from elastrun.rendezvous.api import FunctionBackend, RendezvousConfigError, RendezvousHandler, RendezvousParameters
-from elastrun.rendezvous.c10d import StoreRendezvousHandler, parse_config
-from elastrun.rendezvous.store_status import read_job_status
+from elastrun.rendezvous.c10d.handler import StoreRendezvousHandler, parse_config
+from elastrun.rendezvous.c10d.status import read_job_status
 
 
 class StaticRendezvousHandler(StoreRendezvousHandler):

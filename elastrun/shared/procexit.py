@@ -7,7 +7,7 @@ there is needed: :func:`python_shutdown` runs the steps a program can observe (n
 joined, ``atexit`` handlers such as logging's flush, stdio flushed, C stdio included) and
 :func:`leave` then ends the process with the exit code.
 
-Used by the worker bootstrap (:mod:`elastrun.inworker.bootstrap`) and by the ``elastrun``
+Used by the worker bootstrap (:mod:`elastrun.worker.bootstrap`) and by the ``elastrun``
 command (:func:`elastrun.cli.command`); a library call such as :func:`elastrun.launch` returns
 normally and leaves the caller's process alone.
 """

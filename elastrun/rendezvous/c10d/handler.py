@@ -13,9 +13,9 @@ total (no compare-and-set storm on a shared blob).
 
 The handler is made of three parts: this module (the backend's settings and factory, and a
 member's side of a round: the join, the result, the poll while the workers run, failures,
-leaving, the exit barrier), :mod:`elastrun.rendezvous.store_closing` (the wait for a round's close,
-the close and its result, the pruning of old rounds) and :mod:`elastrun.rendezvous.store_liveness`
-(heartbeats, the ring watch, the liveness link), all over :mod:`elastrun.rendezvous.store_client`.
+leaving, the exit barrier), :mod:`elastrun.rendezvous.c10d.closing` (the wait for a round's close,
+the close and its result, the pruning of old rounds) and :mod:`elastrun.rendezvous.c10d.liveness`
+(heartbeats, the ring watch, the liveness link), all over :mod:`elastrun.rendezvous.c10d.client`.
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ from elastrun.rendezvous.api import (
     RoundResult,
 )
 from elastrun.rendezvous.auth import JobToken, load_token
+from elastrun.rendezvous.c10d.client import store_errors
+from elastrun.rendezvous.c10d.closing import Closing, JoinSlots
+from elastrun.rendezvous.c10d.liveness import Liveness
+from elastrun.rendezvous.c10d.seats import FullRoster, Roster, SeatedRoster, is_seated, member_result, read_seat
+from elastrun.rendezvous.c10d.status import read_job_status
 from elastrun.rendezvous.endpoint import host_worker_store, route_address, split_endpoint
 from elastrun.rendezvous.keepalive import Heartbeat, RingWatch
 from elastrun.rendezvous.link import Link, Wakeup
 from elastrun.rendezvous.rounds import decode_result, fault_line, is_void, timeout_error, void_result
-from elastrun.rendezvous.seats import FullRoster, Roster, SeatedRoster, is_seated, member_result, read_seat
-from elastrun.rendezvous.store_client import store_errors
-from elastrun.rendezvous.store_closing import Closing, JoinSlots
-from elastrun.rendezvous.store_liveness import Liveness
-from elastrun.rendezvous.store_status import read_job_status
 from elastrun.rendezvous.waiting import DEFAULT_INTERVAL as DEFAULT_WAIT_REPORT
 
 #: ``--rdzv-conf`` keys of the store backends, with defaults.
@@ -93,8 +93,8 @@ class StoreRendezvousHandler(Closing, Liveness):
     """Rendezvous rounds on a ``TCPStore``; see the module docstring and docs/rendezvous-protocol.md.
 
     This class is a member's side: the join, the result, the poll while workers run, failures,
-    leaving and the exit barrier.  The close of a round is :class:`~elastrun.rendezvous.store_closing.Closing`,
-    heartbeats and the ring watch are :class:`~elastrun.rendezvous.store_liveness.Liveness`.
+    leaving and the exit barrier.  The close of a round is :class:`~elastrun.rendezvous.c10d.closing.Closing`,
+    heartbeats and the ring watch are :class:`~elastrun.rendezvous.c10d.liveness.Liveness`.
     """
 
     backend_name = "c10d"
@@ -118,7 +118,7 @@ class StoreRendezvousHandler(Closing, Liveness):
         self._node: NodeInfo | None = None
         self._round: int | None = None
         self._result: RoundResult | None = None
-        #: The current round's members as this node knows them (:mod:`elastrun.rendezvous.seats`): the
+        #: The current round's members as this node knows them (:mod:`elastrun.rendezvous.c10d.seats`): the
         #: whole list in a round of up to 64, else its own seat and the seats its ring walk read.
         self._roster: Roster | None = None
         self._seen_signal = 0
@@ -495,5 +495,5 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     return StoreRendezvousHandler(params, host, port, is_host)
 
 
-#: ``--rdzv-backend=c10d``: checks, handler and status reader (:mod:`elastrun.rendezvous.store_status`).
+#: ``--rdzv-backend=c10d``: checks, handler and status reader (:mod:`elastrun.rendezvous.c10d.status`).
 BACKEND = FunctionBackend(validate_params, create_handler, read_job_status)

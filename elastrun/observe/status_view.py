@@ -1,7 +1,7 @@
 """``elastrun status``: read a job's status through its rendezvous backend, and format it.
 
 Each backend reads its own store (``RendezvousBackend.read_status``: c10d and static in
-:mod:`elastrun.rendezvous.store_status`, etcd in :mod:`elastrun.rendezvous.etcd.status`) as a
+:mod:`elastrun.rendezvous.c10d.status`, etcd in :mod:`elastrun.rendezvous.etcd.status`) as a
 pure client that must not host, join or write, and returns the document described in
 docs/observe.md, or raises a ``RendezvousError`` subclass whose message is one line
 (``RendezvousConnectionError`` when the backend cannot be reached, ``JobNotFoundError`` when it
