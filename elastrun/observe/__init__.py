@@ -1,5 +1,7 @@
 """Seeing a job: the event log, metrics, ``elastrun status`` and ``elastrun timeline``.
 
+Runs in: the agent (:func:`start_observability`); the CLI imports the package for its submodules.
+
 The agent calls :func:`start_observability` once, right after it creates its
 :class:`~elastrun.observe.events.EventLog`, and ``close()`` on the handle when it exits.  Nothing
 here imports torch; the status reader and the plotting code are imported only by the

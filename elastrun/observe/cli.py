@@ -1,5 +1,7 @@
 """``elastrun status``, ``elastrun timeline`` and ``elastrun goodput``: argument parsing and exit codes.
 
+Runs in: the CLI (``elastrun status`` / ``timeline`` / ``goodput``).
+
 ``elastrun.cli`` hands over argv with the subcommand first.  Exit codes: 0 done, 1 the job or
 its logs could not be read (one line on stderr saying why), 2 bad command line or a missing
 optional dependency (matplotlib: the ``timeline`` extra).  Heavy imports

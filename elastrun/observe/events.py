@@ -1,5 +1,7 @@
 """Structured events of an agent: one JSON object per line, so a job's history can be read back.
 
+Runs in: the agent (writes); the CLI reads the files back (``elastrun timeline`` / ``goodput``).
+
 Every agent writes ``events-<node>.jsonl`` under ``--log-dir`` (and, with ``--event-log-stdout``,
 to stdout).  Each line has ``ts`` (Unix time), ``node`` (node id), ``event`` (one of
 :data:`EVENT_KINDS`) and event-specific fields.  ``elastrun timeline`` and the tests read them.

@@ -1,5 +1,7 @@
 """Goodput and badput of a job, computed from its agents' events and its workers' step records.
 
+Runs in: the agent (its live goodput and end-of-job line) and the CLI (``elastrun goodput`` / ``timeline``).
+
 The definition (docs/observe.md, "Goodput and badput"): every second of every worker slot (a node's
 ``--nproc-per-node`` places, from its agent's start to its exit) is *good* when it was spent
 inside a step that was committed and never redone, and otherwise *badput* of exactly one cause

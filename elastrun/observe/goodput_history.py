@@ -1,5 +1,7 @@
 """A job's history as goodput needs it: each node's worker groups, and the faults that ended them.
 
+Runs in: the agent (its live goodput) and the CLI (``elastrun goodput`` / ``timeline``).
+
 :func:`nodes_of` reads one node's events into its groups (a round's workers, from the round
 closing to the group's end) and :func:`faults_of` groups every early end across nodes into
 :class:`Fault` objects, one per new round, with the fault's kind, time and detection.  Used by

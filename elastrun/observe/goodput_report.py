@@ -1,5 +1,7 @@
 """Goodput in words: the end-of-job summary line, ``elastrun goodput``'s table, its JSON document.
 
+Runs in: the agent (its end-of-job line, the goodput metrics) and the CLI (``elastrun goodput``).
+
 :func:`load` reads a log directory (events and step records) into a
 :class:`~elastrun.observe.goodput.Goodput`; :func:`summary_line`, :func:`format_breakdown` and
 :func:`to_json` turn one into text.  :class:`GoodputTracker` keeps a running agent's events so

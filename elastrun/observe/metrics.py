@@ -1,5 +1,7 @@
 """A small metrics registry (counters, gauges, timings) fed by the agent's events.
 
+Runs in: the agent.
+
 The agent never updates metrics directly: :class:`EventMetrics` listens to the
 :class:`~elastrun.observe.events.EventLog` and turns each event into counter increments, gauge
 values and timing observations.  So the event log and the metrics cannot disagree, and adding a

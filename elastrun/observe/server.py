@@ -1,5 +1,7 @@
 """The metrics endpoint: Prometheus' text format over HTTP, from a daemon thread of the agent.
 
+Runs in: the agent.
+
 Plain ``http.server`` from the standard library: one scrape every few seconds needs nothing more,
 and the launcher gains no dependency.  ``GET /metrics`` returns :meth:`Registry.render`;
 ``GET /`` says where the metrics are.  The server binds 127.0.0.1 unless told otherwise

@@ -1,5 +1,7 @@
 """``elastrun status``: read a job's status through its rendezvous backend, and format it.
 
+Runs in: the CLI (``elastrun status``).
+
 Each backend reads its own store (``RendezvousBackend.read_status``: c10d and static in
 :mod:`elastrun.rendezvous.c10d.status`, etcd in :mod:`elastrun.rendezvous.etcd.status`) as a
 pure client that must not host, join or write, and returns the document described in

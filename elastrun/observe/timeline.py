@@ -1,5 +1,7 @@
 """``elastrun timeline``: a job's history, from the event logs of all its nodes, as a picture.
 
+Runs in: the CLI (``elastrun timeline``).
+
 :func:`build_timeline` turns events into a plain model (lanes, worker attempts, marks, world
 size over time); :func:`render_png` draws the model with matplotlib (imported only here, with
 the Agg backend, so nothing needs a display).  Keeping the model separate lets the tests check

@@ -1,5 +1,7 @@
 """The goodput layer of ``elastrun timeline``: every worker slot's time coloured by cause, and each fault's cost.
 
+Runs in: the CLI (``elastrun timeline``).
+
 :func:`goodput_layer` turns a :class:`~elastrun.observe.goodput.Goodput` into what the picture
 and the HTML page draw: a strip per worker slot under its node's attempt bars, with spans merged
 for drawing (a span shorter than a pixel or so joins its neighbour; the totals stay exact), and a

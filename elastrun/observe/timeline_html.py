@@ -1,5 +1,7 @@
 """``elastrun timeline --html``: the timeline as one self-contained page (inline SVG, no scripts from a CDN).
 
+Runs in: the CLI (``elastrun timeline --html``).
+
 What the page adds to the PNG: hovering a bar, a mark or a worker slot's span shows its exact
 times, ranks, outcome or cause in a tooltip (a few lines of inline script; each element also
 carries an SVG ``<title>``), and each failure's traceback tail is on the page (the PNG has room for

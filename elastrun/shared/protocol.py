@@ -1,7 +1,8 @@
-"""What an agent and its workers agree on: the only code both sides of a worker's process boundary import.
+"""What an agent and its workers agree on: how a worker is entered, its environment, its files, the control channel.
 
-The agent's side (``elastrun.agent``, ``elastrun.agent.workers``) and the code that runs inside a worker
-(``elastrun.worker``, ``elastrun.train``) never import each other; they meet here:
+Runs in: the agent and each worker (:mod:`elastrun.shared`).  The agent's side (``elastrun.agent``,
+``elastrun.rendezvous``) and the code that runs inside a worker (``elastrun.worker``,
+``elastrun.train``) never import each other; about a worker's life they meet here:
 
 - how an exec'd worker is entered (:func:`exec_argv`: elastrun's bootstrap runs the user's script);
 - the environment variables the agent sets for elastrun's own use (``*_ENV`` below; torchrun's

@@ -1,5 +1,7 @@
 """Workers' step records: when each step ran, when it was committed, when state was restored.
 
+Runs in: each worker (writes them); the agent (stall reports) and the CLI (``elastrun goodput``/``timeline``) read them.
+
 ``elastrun.train`` writes them (``State.commit()``, ``restore()``, ``checkpoint()``/``flush()``)
 so that goodput can tell kept steps from redone ones (:mod:`elastrun.observe.goodput`).  One
 file per worker process, ``steps-<pid>.bin``, beside the process's error file in its attempt

@@ -3,7 +3,7 @@
 ``State.restore()`` is collective.  Each rank reports what it can read (its part's ``report()``:
 snapshots and RNG files on its node, complete-looking checkpoints, what its own objects hold under
 ``et.run``); one ``all_gather`` shares the reports; every rank runs the same pure function on them
-(the part's ``plan()``: ``plan.py``, ``sharded/plan.py``) and fetches its bytes of the agreed step
+(the part's ``plan()``: ``plan.py``, ``sharded/shard_plan.py``) and fetches its bytes of the agreed step
 (``load()``).  A copy that could not be read, on any rank, is left out and the next plan is tried;
 the objects are written only once every rank has its bytes.  Then each rank's RNG states are
 gathered from whoever holds them (or derived from the step and rank) and applied.

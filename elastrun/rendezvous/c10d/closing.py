@@ -331,7 +331,7 @@ class Closing(StoreClient):
             published = True
         if not published:
             # A follower judged this closer silent (its heartbeats stood still: a loaded host) and
-            # wrote the round void first (c10d.py, ``_await_published``): every joiner, this one
+            # wrote the round void first (handler.py, ``_await_published``): every joiner, this one
             # included, reads the void and joins the next round.
             return
         if abort is not None:

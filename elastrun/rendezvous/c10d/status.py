@@ -4,7 +4,7 @@
 not join a round and does not write a key.  It only uses the store's read operations
 (``check``, ``get``, ``multi_get`` on keys known to exist, so no read ever blocks waiting for a
 key), on the keys the c10d and static backends write under ``/elastrun/<run_id>/`` (see
-elastrun/rendezvous/c10d/handler.py, store_closing.py and docs/rendezvous-protocol.md).  A job started with a job token
+elastrun/rendezvous/c10d/handler.py, closing.py and docs/rendezvous-protocol.md).  A job started with a job token
 keeps its keys under a secret namespace and seals its values: the reader needs the same token
 (``--rdzv-conf token_file=PATH`` or ``$ELASTRUN_JOB_TOKEN``) and shows only authentic values.
 

@@ -4,7 +4,7 @@ Layers, bottom up:
 
 * ``layout.py``: a state tree as named chunks of global tensors, and what is refused;
 * ``slots.py``: each rank's snapshot in its node's memory (a data file and a meta file per slot);
-* ``plan.py``: which step to restore and where each old rank's file is (a pure function);
+* ``shard_plan.py``: which step to restore and where each old rank's file is (a pure function);
 * ``fetch.py``: the resolver (own node, else a peer) and the peer transport;
 * ``reader.py``: DCP metadata from the snapshots, and the ``StorageReader`` DCP's planner reads with;
 * ``durable.py``: durable checkpoints as DCP checkpoints, written from the snapshots;

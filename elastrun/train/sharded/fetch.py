@@ -4,7 +4,7 @@
 :class:`LocalFile` when this node's snapshot directory holds it, else the peers that hold it.
 Byte ranges of files held by peers are moved by a :class:`PeerTransport`.  The disk is not a
 per-file source: when some shard of a step is in no node's memory, the whole restore reads the
-step's DCP checkpoint instead (``plan.py``).
+step's DCP checkpoint instead (``shard_plan.py``).
 
 Under elastrun the ranges come from the holder's node's snapshot server (:class:`ServerTransport`:
 ``elastrun/agent/snapserver.py``, straight from that node's memory into the destination tensor, at

@@ -9,7 +9,7 @@ part, so every rank snapshots, persists and restores its own shard:
   optimizer pre-hook completes it before ``optimizer.step()`` changes them.  Every
   ``checkpoint_every`` commits the slot is also written as this rank's part of a DCP checkpoint
   (``durable.py``), in the background.
-* ``restore()``: one ``all_gather`` of what each node holds (``plan.py``), then either every rank
+* ``restore()``: one ``all_gather`` of what each node holds (``shard_plan.py``), then either every rank
   loads exactly its new shards from the snapshots of the chosen step, wherever they are (its own
   node's memory first, its own or a replica, then a peer's: ``fetch.py``; resharded by DCP's
   planner: ``reader.py``), or all load the step's DCP checkpoint from disk.
