@@ -39,7 +39,7 @@ SNAPSHOT_SERVER_ENV = "ELASTRUN_SNAPSHOT_SERVER"
 SNAPSHOT_KEY_ENV = "ELASTRUN_SNAPSHOT_KEY_FILE"
 
 #: The package's parent directory: the exec'd bootstrap imports this very copy of elastrun.
-_ROOT = str(Path(__file__).resolve().parents[1])
+_ROOT = str(Path(__file__).resolve().parents[2])
 
 _EXEC_PROGRAM = (
     "import sys\n"

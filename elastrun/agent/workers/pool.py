@@ -141,7 +141,7 @@ class PoolStarter(WorkerStarter):
         except OSError as exc:
             self._give_up(f"cannot set up the template ({exc})")
             return
-        root = str(Path(__file__).resolve().parents[2])
+        root = str(Path(__file__).resolve().parents[3])
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", _BOOTSTRAP.format(root=root), str(os.getpid()), str(theirs.fileno()),
