@@ -1,9 +1,19 @@
-"""Shared fixtures: a per-test cluster of real agents that is always cleaned up."""
+"""Shared fixtures (a per-test cluster of real agents that is always cleaned up), the two phases of
+tools/test.sh, and the test tiers.
+
+Every test carries one tier mark (docs/testing.md): ``unit`` (in-process, no child process),
+``contract`` (a contract checked in-process: the rendezvous backends' conformance suite, groups of
+a few ranks on threads; a fixture may start a server such as etcd) or ``e2e`` (real agents and
+workers).  A test without one is a usage error; a ``unit`` or ``contract`` test that starts a
+child process fails, so the fast tier (``tools/test.sh --fast``) stays what its name says.
+"""
 
 from __future__ import annotations
 
+import _posixsubprocess
 import os
 import signal
+import sys
 
 import pytest
 
@@ -69,21 +79,98 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="tools/test.sh runs the suite in two phases: 'concurrent' (every test not marked serial, on "
              "several xdist workers), then 'serial' (the tests marked serial, one at a time, alone); "
              "default: all tests")
+    parser.addoption(
+        "--tier", default=",".join(TIERS),
+        help=f"comma-separated tiers to run, of {', '.join(TIERS)} (default: all); tools/test.sh --fast runs "
+             "unit,contract")
+
+
+#: The test tiers, fastest first (module docstring).
+TIERS = ("unit", "contract", "e2e")
+
+
+def tier_of(item: pytest.Item) -> str | None:
+    """The test's tier: its closest tier mark (a test's own mark overrides its module's ``pytestmark``)."""
+    for mark in item.iter_markers():
+        if mark.name in TIERS:
+            return mark.name
+    return None
+
+
+class _InProcessGuard:
+    """Fails a ``unit`` or ``contract`` test that starts a child process (while the test body runs).
+
+    ``subprocess`` and ``os.fork``/``posix_spawn`` are seen through audit events; ``multiprocessing``'s
+    spawn and forkserver start methods call ``_posixsubprocess.fork_exec``, which raises none, so that
+    function is wrapped.  An audit hook cannot be removed: it is installed once and consults ``test``.
+    """
+
+    EVENTS = ("subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system")
+
+    def __init__(self) -> None:
+        self.test: str | None = None  # the node id of the in-process test running now
+        #: What the running test was refused: the test fails with it even where the refusal was
+        #: raised in a thread of its own (seen: a library's helper thread running ``ldconfig``).
+        self.refused: str | None = None
+        sys.addaudithook(self._audit)
+        real = _posixsubprocess.fork_exec
+
+        def fork_exec(*args, **kwargs):
+            self._refuse("a multiprocessing child")
+            return real(*args, **kwargs)
+
+        _posixsubprocess.fork_exec = fork_exec
+
+    def _audit(self, event: str, args: tuple) -> None:
+        if event in self.EVENTS:
+            self._refuse(event)
+
+    def _refuse(self, what: str) -> None:
+        if self.test is not None:
+            test, self.test = self.test, None  # one report; the test fails with it
+            self.refused = (f"{test} is marked unit or contract (in-process) but started {what}: "
+                            "mark it e2e (tests/conftest.py, docs/testing.md)")
+            raise RuntimeError(self.refused)
+
+
+_GUARD = _InProcessGuard()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    _GUARD.refused = None
+    if tier_of(item) in ("unit", "contract"):
+        _GUARD.test = item.nodeid
+    try:
+        result = yield
+    finally:
+        _GUARD.test = None
+        refused, _GUARD.refused = _GUARD.refused, None
+    if refused is not None:  # refused in a thread of the test's: the test body itself did not fail
+        pytest.fail(refused, pytrace=False)
+    return result
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep the tests of the phase asked for (``--tests-phase``); a serial mark must say why."""
+    """Keep the tests of the phase (``--tests-phase``) and tiers (``--tier``) asked for; a serial mark
+    must say why, and every test must have a tier."""
+    untiered = [item.nodeid for item in items if tier_of(item) is None]
+    if untiered:
+        raise pytest.UsageError(f"{len(untiered)} test(s) without a tier mark ({', '.join(TIERS)}; see "
+                                f"tests/conftest.py): {', '.join(untiered[:10])}")
+    tiers = {t.strip() for t in config.getoption("--tier").split(",") if t.strip()}
+    if not tiers or tiers - set(TIERS):
+        raise pytest.UsageError(f"--tier takes tiers among {', '.join(TIERS)}, got {config.getoption('--tier')!r}")
     for item in items:
         mark = item.get_closest_marker("serial")
         if mark is not None and not (mark.args and isinstance(mark.args[0], str) and mark.args[0].strip()):
             raise pytest.UsageError(f"{item.nodeid}: pytest.mark.serial needs its reason: serial('why')")
     phase = config.getoption("--tests-phase")
-    if phase == "all":
-        return
     keep: list[pytest.Item] = []
     dropped: list[pytest.Item] = []
     for item in items:
-        (keep if (item.get_closest_marker("serial") is not None) == (phase == "serial") else dropped).append(item)
+        in_phase = phase == "all" or (item.get_closest_marker("serial") is not None) == (phase == "serial")
+        (keep if in_phase and tier_of(item) in tiers else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep

@@ -10,7 +10,11 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+import pytest
+
 import elastrun
+
+pytestmark = pytest.mark.unit
 
 
 def test_every_module_imports():

@@ -21,7 +21,7 @@ fi
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
-if [ ! -x .venv/bin/elastrun ] || ! .venv/bin/python -c "import torch, pytest, xdist, etcd3gw, websocket, selenium" 2>/dev/null \
+if [ ! -x .venv/bin/elastrun ] || ! .venv/bin/python -c "import torch, pytest, xdist, pytest_cov, etcd3gw, websocket, selenium" 2>/dev/null \
         || ! .venv/bin/python -c "import importlib.util as u, sys
 sys.exit(any(u.find_spec(m) is None for m in ('accelerate', 'pytorch_lightning')))" \
         || [ "${FORCE_INSTALL:-0}" = 1 ]; then

@@ -4,11 +4,24 @@
 # the processes they start, so 3 keep 2 cores busy; tests/conftest.py's ONE_WORKER_FILES each stay on one
 # worker), then the tests marked serial, one at a time, alone.
 # Extra arguments go to both pytest runs, e.g. tools/test.sh tests/agent -x
+#
+# tools/test.sh --fast: the quick loop (docs/testing.md): ruff, the import-circle check, then only the unit
+# and contract tiers (in-process, no agent or worker started) on 2 xdist workers, with the package's
+# coverage by module.  Extra arguments go to its pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+fast=0
+if [ "${1:-}" = "--fast" ]; then
+    fast=1
+    shift
+fi
 bash tools/setup.sh
 .venv/bin/ruff check .
 .venv/bin/python tools/import_circles.py
+if [ "$fast" = 1 ]; then
+    exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" --tier=unit,contract \
+        --cov=elastrun --cov-report=term --durations=5 "$@"
+fi
 # Exit code 5 is "no test selected": one phase that the arguments leave empty (e.g. tools/test.sh tests/cli)
 # is fine; both empty is still an error.
 codes=()

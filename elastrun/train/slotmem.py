@@ -22,7 +22,6 @@ host's memory (and a container's memory limit) whether locked or not.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 from pathlib import Path
@@ -38,10 +37,10 @@ def fallocate(fd: int, nbytes: int) -> bool:
     """Allocate ``[0, nbytes)`` of ``fd`` keeping its size; False where that is not possible."""
     global _libc
     if _libc is None:
-        name = ctypes.util.find_library("c")
-        if name is None:
-            return False
-        _libc = ctypes.CDLL(name, use_errno=True)
+        # The C library already loaded in this process (as prctl.py takes it), not
+        # ``ctypes.util.find_library("c")``: that runs ``ldconfig -p`` (or gcc) as a child process,
+        # from a training worker's helper thread at its first commit.
+        _libc = ctypes.CDLL(None, use_errno=True)
         _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
     try:
         return _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, nbytes) == 0

@@ -26,6 +26,8 @@ from elastrun.agent.aftermath import is_peer_error
 from tests.agent.jobs import events, start_pair, steps_env
 from tests.harness import Agent, read_steps, wait_until
 
+pytestmark = pytest.mark.e2e
+
 
 def _pids(log_dir: Path) -> dict[int, int]:
     """The latest worker PID of each global rank this agent started."""
@@ -90,6 +92,7 @@ GLOO = ("Traceback (most recent call last):\n  File \"train.py\", line 9, in <mo
     ("Traceback (most recent call last):\n  File \"conn.py\", line 3, in reset_connection_closed_by_peer\n"
      "ZeroDivisionError: division by zero", None, False),  # the words in a frame do not count
 ])
+@pytest.mark.unit
 def test_what_a_peer_error_is(message, signal_name, peer):
     assert is_peer_error(message, signal_name) is peer
 

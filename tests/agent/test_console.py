@@ -12,6 +12,8 @@ import pytest
 from elastrun.shared import log
 from tests.harness import REPO, base_env
 
+pytestmark = pytest.mark.unit
+
 PARTS = ("agent", "pool", "rendezvous", "launcher", "observe", "cli")
 LINE = re.compile(r"elastrun\[n1\] \d\d:\d\d:\d\d (warning: |error: |debug: )?\S.*|    \S.*")
 
@@ -73,6 +75,7 @@ def test_each_message_is_written_whole_while_threads_speak_at_once(capsys):
         assert second == f"    second line of {part} {i}", (first, second)
 
 
+@pytest.mark.e2e
 def test_train_warnings_are_silenced_by_quiet():
     code = "from elastrun.train.notes import warn\nwarn('snapshot of step 3 skipped')\n"
 

@@ -15,6 +15,8 @@ import pytest
 from tests.agent.jobs import Job, events, start_pair, steps_env
 from tests.harness import SCRIPTS, Cluster, base_env, free_port, read_steps, wait_until
 
+pytestmark = pytest.mark.e2e
+
 
 def _running_together(agents: Cluster, tmp_path: Path) -> None:
     try:

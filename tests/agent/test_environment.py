@@ -2,7 +2,11 @@
 
 import json
 
+import pytest
+
 from tests.harness import SCRIPTS, base_env
+
+pytestmark = pytest.mark.e2e
 
 
 def test_workers_get_torchruns_environment(agents, tmp_path):

@@ -24,6 +24,8 @@ from elastrun.config import LaunchConfig
 from elastrun.shared.protocol import HEARTBEAT_ENV, Assign, Paused, Reformed, exit_report_path
 from tests.agent.standins import StandInChannel, StandInStarter, round_result
 
+pytestmark = pytest.mark.unit
+
 
 class Setup:
     def __init__(self, tmp_path, channel: StandInChannel | None = None, **config) -> None:

@@ -5,6 +5,8 @@ import pytest
 from elastrun.config import EXIT_NO_REQUEUE
 from tests.harness import SCRIPTS, base_env
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.mark.parametrize("mode", ["sleep", "stop"])
 def test_hung_worker_is_dumped_and_killed(agents, mode):

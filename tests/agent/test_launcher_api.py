@@ -13,6 +13,8 @@ from elastrun.errors import UsageError
 from elastrun.launcher import launch
 from tests.harness import REPO, base_env
 
+pytestmark = pytest.mark.e2e
+
 
 def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=base_env(),
@@ -64,6 +66,7 @@ def test_a_failing_function_raises_launch_error_with_root_cause():
     ({"rdzv_conf_bogus": True}, "unknown --rdzv-conf key 'bogus'"),
     ({"start_method": "thread"}, "start_method='thread' is not a start method"),
 ])
+@pytest.mark.unit
 def test_a_bad_request_is_refused_before_anything_starts_and_left_unchanged(fields, words, tmp_path):
     """launch() holds a request to the command line's rules (LaunchConfig.validate, the backend's checks)."""
     script = tmp_path / "train.py"

@@ -3,8 +3,12 @@
 import signal
 import time
 
+import pytest
+
 from tests.agent.jobs import start_pair, steps_env
 from tests.harness import alive, base_env, free_port, listening, read_steps, wait_until
+
+pytestmark = pytest.mark.e2e
 
 
 def _flags(port: int, nnodes: str, run_id: str) -> list[str]:

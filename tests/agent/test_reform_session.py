@@ -13,6 +13,8 @@ from elastrun.agent.workers.starter import WorkerLaunch
 from elastrun.shared.protocol import SOCKET_ENV, WAIT_ENV, Assign, Failed, Pause, Paused, Reformed
 from tests.agent.standins import StandInChannel, StandInHandle
 
+pytestmark = pytest.mark.unit
+
 
 def _handle(local_rank: int, pid: int) -> StandInHandle:
     return StandInHandle(WorkerLaunch(local_rank=local_rank, rank=local_rank, argv=[], env={}, cwd="."), pid)

@@ -1,6 +1,10 @@
 """Worker failures: restart with new ranks and resume; a spent budget ends the job with its root cause."""
 
+import pytest
+
 from tests.harness import SCRIPTS, base_env, read_steps
+
+pytestmark = pytest.mark.e2e
 
 
 def test_crash_restarts_and_resumes_from_checkpoint(agents, tmp_path):

@@ -8,6 +8,8 @@ import pytest
 from tests.agent.jobs import events, steps_env
 from tests.harness import SCRIPTS, alive, base_env, wait_until
 
+pytestmark = pytest.mark.e2e
+
 
 def _start(agents, tmp_path, *extra_flags, **env):
     out = tmp_path / "out"

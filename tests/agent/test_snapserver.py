@@ -20,6 +20,8 @@ from elastrun.train.sharded import slots
 from elastrun.train.sharded.layout import lay_out
 from elastrun.train.snapclient import Get, SnapshotClient, writable
 
+pytestmark = pytest.mark.unit
+
 KEY = snapshot_key(b"a-job-token-of-some-length", "job")
 
 

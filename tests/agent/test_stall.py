@@ -20,6 +20,8 @@ from elastrun.shared.protocol import HEARTBEAT_ENV, Paused, Reformed
 from tests.agent.standins import StandInChannel, round_result
 from tests.agent.test_group import setup  # noqa: F401 - the fixture
 
+pytestmark = pytest.mark.unit
+
 
 def test_the_start_up_bound_is_learned_from_the_slowest_start_with_a_floor_and_backs_off():
     assert startup_bound(None, None, 0) is None  # no worker ever sent a heartbeat: no bound

@@ -21,6 +21,8 @@ import pytest
 
 from tests.harness import REPO, SCRIPTS, base_env
 
+pytestmark = pytest.mark.e2e
+
 TEARDOWN = str(SCRIPTS / "teardown.py")
 
 

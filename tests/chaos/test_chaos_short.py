@@ -20,6 +20,8 @@ from tests.chaos.run import run_job
 from tests.evidence import EVIDENCE_ENV
 from tests.rendezvous.etcd_cluster import etcd_available
 
+pytestmark = pytest.mark.e2e
+
 LOOPBACK = ("worker_kill", "worker_exit", "worker_hang", "agent_kill", "agent_term", "node_join", "slow_node")
 
 
@@ -71,6 +73,7 @@ def test_partitioned_node_across_namespaces():
     assert "partition" in {f.kind for f in result.faults}, result.summary()
 
 
+@pytest.mark.unit
 def test_invariants_catch_a_reused_and_a_missing_sample():
     """The checks can fail: a step that re-used a sample, and an incomplete group."""
     steps = {1: [{"g": 0, "s": 1, "e": 0, "w": 2, "r": 0, "i": [0, 1], "h": "a"},
@@ -81,6 +84,7 @@ def test_invariants_catch_a_reused_and_a_missing_sample():
     assert not verify.complete_steps(steps).ok
 
 
+@pytest.mark.unit
 def test_invariants_catch_a_lost_step_and_diverged_ranks():
     """The checks can fail: a restore behind a committed step, ranks whose parameters differ."""
     records = [{"g": 0, "s": s, "w": 2, "r": r} for s in range(1, 6) for r in (0, 1)]
@@ -130,6 +134,7 @@ def test_a_stall_is_a_violation_and_its_stacks_are_taken_before_anything_is_kill
     assert "most recent call first" in logs and "elastrun/agent/agent.py" in logs, logs[-3000:]
 
 
+@pytest.mark.unit
 def test_the_stall_invariant_can_fail():
     fault = Fault("worker_kill", 1, 0.0, first_step=2.0)
     assert verify.steps_again([fault], 30.0, []).ok

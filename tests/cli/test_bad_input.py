@@ -21,6 +21,8 @@ import pytest
 
 from elastrun.rendezvous.registry import known_backends
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[2]
 MARKER_ENV = "ELASTRUN_CLI_TEST_MARKER"
 

@@ -11,6 +11,8 @@ import pytest
 
 from tests.harness import REPO, base_env
 
+pytestmark = pytest.mark.e2e
+
 
 def _through_closed_pipe(argv: list[str], buffered: bool) -> tuple[int, str]:
     """Run ``python -m elastrun ARGV`` with its stdout a pipe whose reader is already gone."""

@@ -19,6 +19,8 @@ from elastrun.config import DEFAULT_MASTER_PORT, Std
 from elastrun.errors import UsageError
 from elastrun.hostprobe import count_gpus, cpu_count, torch_has_cuda
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -293,6 +295,7 @@ def test_nproc_words(script: str) -> None:
             parse(["--nproc-per-node=gpu", script], dict(os.environ))
 
 
+@pytest.mark.e2e
 def test_torch_build_is_read_without_importing_torch() -> None:
     code = (
         "import sys; from elastrun.hostprobe import torch_has_cuda; has = torch_has_cuda(); "
@@ -306,6 +309,7 @@ def test_torch_build_is_read_without_importing_torch() -> None:
     assert result.stdout.strip() == "True"
 
 
+@pytest.mark.e2e
 def test_cli_and_parse_do_not_import_torch(script: str) -> None:
     code = (
         "import sys; from elastrun.cli import parse; "

@@ -11,6 +11,8 @@ import pytest
 from tests.clients.harness import SCRIPTS, failures, kill_worker, wait_output
 from tests.harness import Cluster
 
+pytestmark = pytest.mark.e2e
+
 pytest.importorskip("accelerate", reason="Hugging Face Accelerate is not installed (the dev extra has it)")
 
 SCRIPT = SCRIPTS / "accelerate_train.py"

@@ -7,8 +7,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.clients.harness import SCRIPTS, failures, kill_worker, wait_output
 from tests.harness import Cluster
+
+pytestmark = pytest.mark.e2e
 
 SCRIPT = SCRIPTS / "ddp_tutorial.py"
 EPOCHS = 6

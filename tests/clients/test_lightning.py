@@ -12,6 +12,8 @@ import pytest
 from tests.clients.harness import SCRIPTS, failures, kill_worker, wait_output
 from tests.harness import Cluster
 
+pytestmark = pytest.mark.e2e
+
 pytest.importorskip("pytorch_lightning", reason="PyTorch Lightning is not installed (the dev extra has it)")
 
 SCRIPT = SCRIPTS / "lightning_train.py"

@@ -14,8 +14,12 @@ import re
 import signal
 from pathlib import Path
 
+import pytest
+
 from tests.clients.harness import SCRIPTS, wait_output
 from tests.harness import Cluster, free_port, listening, wait_until
+
+pytestmark = pytest.mark.e2e
 
 SCRIPT = SCRIPTS / "torchelastic_imagenet.py"
 EPOCHS = 12

@@ -16,6 +16,8 @@ import pytest
 
 from tests.deploy.podenv import REPO
 
+pytestmark = pytest.mark.unit
+
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 #: Variables the base image (python:*-slim) defines in its environment.

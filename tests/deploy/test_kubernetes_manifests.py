@@ -20,6 +20,8 @@ import yaml
 from elastrun.config import DEFAULT_STOP_TIMEOUT
 from tests.deploy.podenv import K8S_DIR, container, find, launch, load_docs, operator_env, pod_template
 
+pytestmark = pytest.mark.unit
+
 kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -14,6 +14,8 @@ import pytest
 
 from tests.deploy.podenv import FAKE_POD_FIELDS, K8S_DIR, REPO, find, launch, load_docs
 
+pytestmark = pytest.mark.unit
+
 cli = pytest.importorskip("elastrun.cli", reason="elastrun.cli is not in the tree yet")
 errors = pytest.importorskip("elastrun.errors", reason="elastrun.errors is not in the tree yet")
 

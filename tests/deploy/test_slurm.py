@@ -23,6 +23,8 @@ import pytest
 
 from tests.deploy.podenv import REPO
 
+pytestmark = pytest.mark.e2e
+
 SBATCH = REPO / "deploy" / "slurm" / "elastrun.sbatch"
 EXAMPLE = REPO / "examples" / "train_imagenet_style.py"
 
@@ -149,6 +151,7 @@ def test_sbatch_script_is_valid_bash() -> None:
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.unit
 def test_sbatch_directives_suit_an_elastic_job() -> None:
     d = _directives()
     assert d["--ntasks-per-node"] == "1", "one agent per node"

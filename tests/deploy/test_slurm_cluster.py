@@ -34,7 +34,7 @@ EPOCHS = 3
 #: examples/train_imagenet_style.py's defaults: 2048 samples, 32 per rank and step; two ranks.
 STEPS = EPOCHS * 2048 // (32 * 2)
 
-pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=missing_reason() or "")
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(missing_reason() is not None, reason=missing_reason() or "")]
 
 
 @pytest.fixture

@@ -15,6 +15,8 @@ import pytest
 
 from tests.gpu.conftest import gpu_count, gpus
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).resolve().parent / "nccl_job.py"
 

@@ -6,9 +6,13 @@ rank's GPU, process group on NCCL (``et.init_distributed`` picks it when ``LOCAL
 
 from __future__ import annotations
 
+import pytest
+
 from tests.gpu.conftest import gpu_count, gpus
 from tests.train.harness import assert_exactly_once, restores, standalone
 from tests.train.test_sharded import EPOCHS, SAMPLES, digests, final, lose_and_join
+
+pytestmark = pytest.mark.e2e
 
 
 @gpus(1)

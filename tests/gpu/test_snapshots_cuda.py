@@ -16,6 +16,8 @@ import pytest
 from tests.gpu.conftest import gpus
 from tests.train.harness import env
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[2]
 
 _RESTORE = r"""

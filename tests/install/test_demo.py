@@ -17,6 +17,8 @@ import pytest
 
 from tests.harness import REPO, base_env
 
+pytestmark = pytest.mark.e2e
+
 _RUN = re.compile(r"runs/demo-\d{8}-\d{6}(-\d+)?")
 
 

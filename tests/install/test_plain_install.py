@@ -23,6 +23,8 @@ import pytest
 
 from tests.harness import REPO, free_port
 
+pytestmark = pytest.mark.e2e
+
 HERE = Path(__file__).resolve().parent
 LOOP = HERE / "readme_loop.py"
 _RESULT = re.compile(r"rank (\d) source (\S+) restored (\d+) step (\d+) epoch (\d+) elastrun (\S+)")

@@ -20,6 +20,8 @@ import pytest
 
 from tests.harness import REPO
 
+pytestmark = pytest.mark.e2e
+
 #: What a build backend's warning looks like in pip's output (setuptools' warning classes, ``!!`` banners).
 BACKEND_WARNINGS = ("BuildBackendWarning", "DeprecationWarning", "SetuptoolsWarning", "!!", "deprecated")
 

@@ -19,6 +19,7 @@ from tests.rendezvous.etcd_cluster import EtcdCluster, etcd_available
 from tests.rendezvous.etcd_job import kill_group, read_steps, start_agent, wait_for, world_steps
 
 pytestmark = [
+    pytest.mark.e2e,
     pytest.mark.netns,
     pytest.mark.etcd,
     pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)"),

@@ -38,6 +38,8 @@ from tests.harness import Cluster, base_env, free_port, listening, wait_until
 from tests.observe.browser import open_page, script_errors, why_not
 from tests.observe.goodput_truth import Injection, read_truth, truth
 
+pytestmark = pytest.mark.e2e
+
 JOB = Path(__file__).with_name("goodput_job.py")
 #: Largest difference allowed per cause, as a share of the job's worker-seconds (the docs state it).
 TOLERANCE = 0.02

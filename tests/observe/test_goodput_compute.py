@@ -21,6 +21,8 @@ from elastrun.observe.goodput_report import GoodputTracker, format_breakdown, re
 from elastrun.observe.status_view import format_status
 from elastrun.shared.steplog import BLOCKED, GROW, RESTORE, STEP, ProcessLog, Record, StepLog, read
 
+pytestmark = pytest.mark.unit
+
 NODE = "host-1-abcd"
 T = 1_000_000.0
 

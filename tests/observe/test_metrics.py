@@ -15,6 +15,8 @@ from elastrun.observe.metrics import Registry
 from elastrun.shared import log as console_log
 from tests.harness import REPO, base_env, free_port, wait_until
 
+pytestmark = pytest.mark.unit
+
 AGENT_SOURCE = REPO / "elastrun" / "agent" / "agent.py"
 
 
@@ -59,6 +61,7 @@ def _scrape(url: str) -> str | None:
         return None
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif("start_observability" not in AGENT_SOURCE.read_text(),
                     reason="the agent does not call start_observability yet")
 def test_live_agent_serves_metrics(agents, tmp_path) -> None:

@@ -13,9 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from elastrun.observe.cli import goodput_so_far
 from elastrun.observe.goodput_report import GoodputTracker
 from tests.harness import REPO, base_env
+
+pytestmark = pytest.mark.e2e
 
 JOB = Path(__file__).with_name("late_end_job.py")
 _PREFIX = re.compile(r"^elastrun\[[^\]]+\] \d\d:\d\d:\d\d ")

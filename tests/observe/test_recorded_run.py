@@ -25,6 +25,8 @@ from elastrun.observe.events import EventLog, read_log_dir
 from elastrun.observe.timeline import build_timeline, load_timeline
 from tests.harness import REPO, Cluster, base_env, free_port, listening, read_steps, wait_until
 
+pytestmark = pytest.mark.e2e
+
 RUN_ID = "obs-recorded"
 JOB = Path(__file__).with_name("join_crash_job.py")
 

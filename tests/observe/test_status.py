@@ -17,6 +17,8 @@ from elastrun.rendezvous import registry
 from elastrun.rendezvous.api import RendezvousParameters, StatusNotSupportedError
 from tests.harness import REPO, alive, base_env, free_port, listening, read_steps, wait_until
 
+pytestmark = pytest.mark.e2e
+
 
 def _status_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "elastrun", "status", *args], cwd=REPO, env=base_env(),

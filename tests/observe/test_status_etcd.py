@@ -20,6 +20,7 @@ from tests.harness import REPO, alive, base_env, free_port, read_steps, wait_unt
 from tests.rendezvous.etcd_cluster import EtcdCluster, etcd_available
 
 pytestmark = [
+    pytest.mark.e2e,
     pytest.mark.etcd,
     pytest.mark.skipif(not etcd_available(), reason="no etcd binary (apt-get install etcd-server)"),
 ]

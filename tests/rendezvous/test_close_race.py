@@ -13,9 +13,13 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
 from elastrun.rendezvous.c10d import create_handler
 from tests.harness import free_port
+
+pytestmark = pytest.mark.contract
 
 
 def test_a_member_rejoining_between_the_closer_s_reads_is_admitted(monkeypatch):

@@ -13,6 +13,8 @@ from elastrun.rendezvous.api import FailureRecord, NodeInfo, RendezvousConfigErr
 from elastrun.rendezvous.etcd import create_handler, parse_config
 from tests.rendezvous.etcd_cluster import EtcdCluster, etcd_available
 
+pytestmark = pytest.mark.e2e
+
 needs_etcd = pytest.mark.skipif(not etcd_available(), reason="no etcd binary (apt-get install etcd-server)")
 
 
@@ -20,6 +22,7 @@ def _params(endpoints: str, run_id: str = "stale", **conf: str) -> RendezvousPar
     return RendezvousParameters("etcd", endpoints, run_id, 1, 1, config=dict(conf))
 
 
+@pytest.mark.unit
 def test_config_errors_name_the_key():
     with pytest.raises(RendezvousConfigError, match="unknown --rdzv-conf key 'bogus'"):
         parse_config(_params("h:1", bogus="1"))
@@ -38,6 +41,7 @@ def test_config_errors_name_the_key():
         create_handler(_params("http://h:2379"))
 
 
+@pytest.mark.unit
 def test_proxies_are_read_from_the_environment_once(monkeypatch):
     """The client takes the proxy settings when it is made (NO_PROXY honoured), not at every request."""
     from elastrun.rendezvous.etcd.client import EtcdClient, EtcdSettings, Shared

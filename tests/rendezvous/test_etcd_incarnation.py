@@ -26,6 +26,7 @@ from tests.harness import REPO, base_env, wait_until
 from tests.rendezvous.etcd_cluster import EtcdCluster, etcd_available
 
 pytestmark = [
+    pytest.mark.e2e,
     pytest.mark.etcd,
     pytest.mark.skipif(not etcd_available(), reason="no etcd binary (apt-get install etcd-server)"),
 ]

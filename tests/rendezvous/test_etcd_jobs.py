@@ -13,6 +13,7 @@ from tests.rendezvous.etcd_cluster import EtcdCluster, etcd_available
 from tests.rendezvous.etcd_job import kill_group, read_steps, start_agent, wait_for, world_steps
 
 pytestmark = [
+    pytest.mark.e2e,
     pytest.mark.etcd,
     pytest.mark.skipif(not etcd_available(), reason="no etcd binary (apt-get install etcd-server)"),
 ]

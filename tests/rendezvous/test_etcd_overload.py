@@ -35,6 +35,7 @@ from elastrun.rendezvous.etcd import create_handler
 from tests.rendezvous.etcd_cluster import EtcdCluster, etcd_available
 
 pytestmark = [
+    pytest.mark.e2e,
     pytest.mark.etcd,
     pytest.mark.skipif(not etcd_available(), reason="no etcd binary (apt-get install etcd-server)"),
 ]

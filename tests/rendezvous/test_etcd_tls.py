@@ -19,6 +19,7 @@ from tests.rendezvous.etcd_cluster import EtcdCluster, EtcdTLS, etcd_available
 from tests.rendezvous.etcd_job import REPO, kill_group, read_steps, start_agent, wait_for
 
 pytestmark = [
+    pytest.mark.e2e,
     pytest.mark.etcd,
     pytest.mark.skipif(not etcd_available(), reason="no etcd binary (apt-get install etcd-server)"),
 ]

@@ -16,6 +16,7 @@ from tests.rendezvous.etcd_cluster import EtcdCluster, etcd_available
 from tests.rendezvous.hostile import Forger, assert_job_undisturbed, token_job
 
 pytestmark = [
+    pytest.mark.e2e,
     pytest.mark.etcd,
     pytest.mark.skipif(not etcd_available(), reason="no etcd binary (apt-get install etcd-server)"),
 ]

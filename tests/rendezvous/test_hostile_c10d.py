@@ -5,11 +5,15 @@ from __future__ import annotations
 import datetime
 import time
 
+import pytest
+
 from elastrun.observe.status_view import read_status
 from elastrun.rendezvous.api import RendezvousParameters
 from elastrun.rendezvous.auth import JobToken
 from tests.harness import free_port, listening, read_steps, wait_until
 from tests.rendezvous.hostile import Forger, assert_job_undisturbed, token_job
+
+pytestmark = pytest.mark.e2e
 
 TOKEN = "9b8a7c6d5e4f30112233445566778899aabbccddeeff0011"
 STEPS = 120

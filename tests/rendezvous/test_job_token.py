@@ -12,6 +12,8 @@ from elastrun.rendezvous.api import RendezvousConfigError, RendezvousParameters
 from elastrun.rendezvous.auth import TOKEN_ENV, JobToken, JobTokenRejected, hkdf_sha256, load_token
 from tests.harness import base_env, free_port, listening, read_steps, wait_until
 
+pytestmark = pytest.mark.e2e
+
 TOKEN = "3f1c2b9a8e7d6c5b4a39281706f5e4d3c2b1a09f8e7d6c5b"
 
 
@@ -23,12 +25,14 @@ def _token_file(tmp_path, text: str = TOKEN, mode: int = 0o600):
 
 
 # ---------------------------------------------------------------------------------- derivation, sealing
+@pytest.mark.unit
 def test_hkdf_matches_rfc5869_test_case_1():
     okm = hkdf_sha256(bytes([0x0B] * 22), bytes(range(0x0D)), bytes(range(0xF0, 0xFA)), 42)
     assert okm.hex() == ("3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c"
                          "5db02d56ecc4c5bf34007208d5b887185865")
 
 
+@pytest.mark.unit
 def test_values_open_only_under_their_key_job_and_incarnation():
     token = JobToken(TOKEN.encode(), "job-a")
     marker = token.new_marker()
@@ -56,6 +60,7 @@ def test_values_open_only_under_their_key_job_and_incarnation():
     assert auth.open_lines(lkey, listing) == ["n1", "n3"]
 
 
+@pytest.mark.contract
 def test_a_node_with_the_wrong_or_no_token_is_rejected():
     marker = JobToken(TOKEN.encode(), "j").new_marker()
     with pytest.raises(JobTokenRejected, match="^job token rejected: this node's token does not match"):
@@ -68,6 +73,7 @@ def test_a_node_with_the_wrong_or_no_token_is_rejected():
     assert issubclass(JobTokenRejected, RendezvousConfigError)  # the launcher exits 2 on it
 
 
+@pytest.mark.unit
 def test_token_file_checks(tmp_path, monkeypatch):
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     warnings: list[str] = []

@@ -16,6 +16,8 @@ from elastrun.rendezvous.auth import JobToken, NoAuth
 from elastrun.rendezvous.link import Link
 from tests.harness import REPO, free_port, wait_until
 
+pytestmark = pytest.mark.e2e
+
 TOKEN = b"0123456789abcdef0123456789abcdef"
 
 _CHILD = """
@@ -130,6 +132,7 @@ def test_a_peer_that_closes_its_link_says_bye(auths):
         watcher.link.close()
 
 
+@pytest.mark.contract
 def test_nothing_listening_at_the_published_port_is_a_death():
     watcher = Watcher(NoAuth("job"))
     try:
@@ -154,6 +157,7 @@ def test_a_watcher_with_another_key_is_dropped_and_reports_nothing():
         watcher.link.close()
 
 
+@pytest.mark.contract
 def test_close_leaves_no_thread_or_socket():
     import psutil
 

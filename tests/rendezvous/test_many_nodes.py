@@ -16,6 +16,8 @@ from elastrun.rendezvous.c10d import closing, create_handler, seats
 from elastrun.rendezvous.c10d.status import read_store_status
 from tests.harness import base_env, free_port
 
+pytestmark = pytest.mark.contract
+
 NODES = 24
 #: For the tests of a round's layout, not of liveness: dozens of handlers share one process (and, in CI,
 #: 2 cores with other tests), where a heartbeat thread can stand still past the default 2.5 s; a
@@ -156,6 +158,7 @@ def _round_after_a_faulty_first_joiner(monkeypatch, fault: str, min_nodes: int =
         host.close()
 
 
+@pytest.mark.e2e
 def test_with_a_token_a_round_whose_first_joiner_died_is_closed_by_the_next_joiner(monkeypatch):
     """The first joiner closes a round; the others step in only once it stopped heartbeating (its
     process is gone here): the round closes with the joins there are, the dead one included (the
@@ -167,6 +170,7 @@ def test_with_a_token_a_round_whose_first_joiner_died_is_closed_by_the_next_join
     assert took < 15  # grace 2 s + heartbeat silence 1 s + the close
 
 
+@pytest.mark.e2e
 def test_with_a_token_a_first_joiner_that_heartbeats_but_never_closes_is_rescued(monkeypatch):
     """A first joiner whose close is stuck while its heartbeats go on: the next joiners leave it
     alone for their grace plus four heartbeat timeouts (it might only be slow), then close the round."""
@@ -176,6 +180,7 @@ def test_with_a_token_a_first_joiner_that_heartbeats_but_never_closes_is_rescued
     assert 5.5 < took < 15, took
 
 
+@pytest.mark.e2e
 def test_a_round_whose_closer_died_before_its_result_is_given_up_and_the_next_one_forms(monkeypatch):
     """The first joiner closes round 0 and dies before it publishes the result.  The others stop
     waiting for that result once the closer's heartbeats stopped (not at ``join_timeout``), and the

@@ -21,6 +21,8 @@ from elastrun.rendezvous.rounds import (
     round_cause,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def _inputs(**kw):
     base = dict(joined=1, min_nodes=1, max_nodes=3, prev_members=None, prev_accounted=0, since_min=0.0,

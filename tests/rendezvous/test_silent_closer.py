@@ -14,10 +14,14 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
 from elastrun.rendezvous.c10d import create_handler
 from elastrun.rendezvous.rounds import decode_result, is_void
 from tests.harness import free_port
+
+pytestmark = pytest.mark.contract
 
 HEARTBEAT_TIMEOUT = 0.6
 

@@ -13,6 +13,8 @@ from elastrun.rendezvous.api import FailureRecord, NodeInfo, RendezvousConfigErr
 from elastrun.rendezvous.c10d import create_handler
 from tests.harness import REPO, SCRIPTS, base_env, free_port, read_steps
 
+pytestmark = pytest.mark.e2e
+
 
 def test_join_timeout_names_what_it_waited_for(agents, tmp_path):
     port = free_port()
@@ -46,12 +48,14 @@ def test_static_backend_two_nodes(agents, tmp_path):
     assert "this node is group rank 1" in nodes[0].output()
 
 
+@pytest.mark.unit
 def test_unknown_backend_lists_known_ones():
     params = RendezvousParameters(backend="nope", endpoint="", run_id="x", min_nodes=1, max_nodes=1)
     with pytest.raises(RendezvousConfigError, match="known backends: .*c10d.*static"):
         registry.create_handler(params)
 
 
+@pytest.mark.unit
 def test_unknown_rdzv_conf_key_is_an_error():
     params = RendezvousParameters(backend="c10d", endpoint="127.0.0.1:0", run_id="x", min_nodes=1, max_nodes=1,
                                   config={"bogus": "1"})
@@ -86,6 +90,7 @@ def test_a_registered_backend_is_used_by_the_launcher(tmp_path):
     assert (out / "env_0.json").exists()
 
 
+@pytest.mark.unit
 def test_entry_point_group_is_declared_in_the_package():
     import tomllib
 
@@ -102,6 +107,7 @@ def _hang(node: str, rank: int) -> FailureRecord:
                          timestamp=time.time(), message="hang detected: no heartbeat for 2.0 s")
 
 
+@pytest.mark.contract
 def test_the_first_hang_claim_of_a_round_wins():
     """Two members of a round each find a silent worker (one hang and its blocked peer): the first
     claim is the hang, the other is told what came first; the winner asking again keeps it."""

@@ -15,6 +15,8 @@ import pytest
 from tests.harness import free_port
 from tests.rendezvous.etcd_cluster import EtcdCluster, etcd_available
 
+pytestmark = pytest.mark.e2e
+
 JOIN_TIMEOUT = 6
 CONF = f"join_timeout={JOIN_TIMEOUT},wait_report_interval=1"
 HOST = socket.gethostname()

@@ -19,6 +19,8 @@ from elastrun.train.copier import SnapshotCopy
 from elastrun.train.plan import Report, make_plan
 from elastrun.train.snapshot import MemorySnapshots
 
+pytestmark = pytest.mark.unit
+
 
 def sample_state():
     return {

@@ -14,6 +14,8 @@ from elastrun.shared.protocol import Pause
 from elastrun.train import copier, snapshot
 from elastrun.train.reform import Link
 
+pytestmark = pytest.mark.unit
+
 
 def _policy_becomes(tid: int, policy: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout

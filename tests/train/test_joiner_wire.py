@@ -21,6 +21,8 @@ import pytest
 from elastrun.agent.snapserver import SnapshotServer
 from tests.harness import free_port
 
+pytestmark = pytest.mark.e2e
+
 WORKER = Path(__file__).with_name("joiner_worker.py")
 RUN_ID = "joiner-wire-test"
 

@@ -17,7 +17,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.harness import free_port
+
+pytestmark = pytest.mark.e2e
 
 SCRIPT = """
 import os, torch, torch.distributed as dist

@@ -16,6 +16,8 @@ from elastrun.train.pipeline import SnapshotPipeline
 from elastrun.train.snapshot import MemorySnapshots
 from tests.train.fake_device import FakeDevice
 
+pytestmark = pytest.mark.unit
+
 
 def _bounded(predicate, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
@@ -61,6 +63,7 @@ def _snapshot_bytes(mem, step: int) -> dict[str, torch.Tensor]:
     return materialize(info.header, mem.read(info))
 
 
+@pytest.mark.e2e
 def test_the_optimizer_waits_on_the_device_for_the_staging_copy_only_and_the_host_for_nothing(tmp_path):
     dev, param, buffer, host, pipe, mem = _setup(tmp_path)
     tree = {"param": param, "buffer": buffer, "host": host}
@@ -96,6 +99,7 @@ def test_without_room_for_staging_the_optimizer_waits_for_the_whole_copy(tmp_pat
     assert torch.equal(_snapshot_bytes(mem, 1)["param"], torch.arange(1024, dtype=torch.float32))
 
 
+@pytest.mark.e2e
 def test_pageable_slots_copy_over_the_bus_on_the_helper_thread(tmp_path):
     """Slots that could not be page-locked: the device-to-host half runs on the helper thread (a
     pageable copy holds its caller), never on the training thread; one warning says why."""

@@ -21,6 +21,8 @@ from tests.train.harness import (
     wait_for,
 )
 
+pytestmark = pytest.mark.e2e
+
 SAMPLES, BATCH, EPOCHS = 96, 4, 2  # 12 steps an epoch at world size 2
 STEPS = SAMPLES // (BATCH * 2) * EPOCHS
 

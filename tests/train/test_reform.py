@@ -13,6 +13,8 @@ import signal
 import uuid
 from pathlib import Path
 
+import pytest
+
 from tests.harness import free_port, listening
 from tests.train.harness import (
     assert_exactly_once,
@@ -23,6 +25,8 @@ from tests.train.harness import (
     standalone,
     wait_for,
 )
+
+pytestmark = pytest.mark.e2e
 
 SAMPLES = 96
 

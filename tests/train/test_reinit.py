@@ -20,9 +20,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 from tests.harness import base_env, free_port
+
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,6 +9,8 @@ import torch
 
 from elastrun.train import ElasticSampler
 
+pytestmark = pytest.mark.unit
+
 
 def step_all_ranks(sampler: ElasticSampler, world: int) -> list[list[int]]:
     """The batches every rank gets for the next global step, then commit it."""
@@ -86,6 +88,7 @@ def test_iterator_does_not_move_the_committed_position():
     assert list(iter(s)) == first[2:]
 
 
+@pytest.mark.e2e
 def test_prefetching_dataloader_resumes_from_committed_position():
     data = torch.utils.data.TensorDataset(torch.arange(60))
     s = ElasticSampler(data, batch_size=6, seed=2, num_replicas=1, rank=0)

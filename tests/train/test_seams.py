@@ -8,6 +8,8 @@ import torch
 from elastrun.train import ElasticSampler, State
 from elastrun.train.reformable import Reformable
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def state(work, monkeypatch):

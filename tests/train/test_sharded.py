@@ -31,6 +31,8 @@ from tests.train.harness import (
 )
 from tests.train.harness import elastic as elastic_cmd
 
+pytestmark = pytest.mark.e2e
+
 SAMPLES, EPOCHS = 96, 2  # 12 steps an epoch at world size 2
 
 

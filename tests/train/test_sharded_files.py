@@ -17,6 +17,8 @@ from elastrun.train.sharded.layout import Ref, join, lay_out, split
 from elastrun.train.sharded.reader import dcp_metadata, read_items
 from elastrun.train.sharded.shard_plan import ShardReport, make_plan
 
+pytestmark = pytest.mark.unit
+
 
 def write_shard(directory, rank: int, step: int, world: int, rows: range, full: torch.Tensor) -> None:
     """Rank ``rank``'s shard file of ``step``: rows ``rows`` of ``full`` (a Shard(0) layout) and a scalar."""

@@ -32,6 +32,8 @@ from elastrun.shared.protocol import (
 )
 from elastrun.worker.control_client import ControlClient
 
+pytestmark = pytest.mark.unit
+
 EVERY = [Hello(pid=7, local_rank=1), Pause(), Paused(live=12, pid=7), Paused(live=None, pid=7),
          Assign(env={"RANK": "3"}, round=4), Reformed(round=4, source="live", step=12, took=0.25, after="x"),
          Failed(error="RuntimeError: boom")]

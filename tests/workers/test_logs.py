@@ -4,9 +4,13 @@ dying worker's traceback (a real pump on a real pipe)."""
 import os
 import threading
 
+import pytest
+
 from elastrun.agent.workers import logs
 from elastrun.agent.workers.logs import StreamPump
 from tests.harness import base_env, wait_until
+
+pytestmark = pytest.mark.unit
 
 SCRIPT = "import os,sys; print('hello from', os.environ['RANK']); print('oops', os.environ['RANK'], file=sys.stderr)"
 
@@ -17,6 +21,7 @@ def _script(tmp_path):
     return [str(path)]
 
 
+@pytest.mark.e2e
 def test_redirects_write_per_attempt_per_rank_files(agents, tmp_path):
     logs = tmp_path / "logs"
     agent = agents.start(["--standalone", "--nproc-per-node=2", f"--log-dir={logs}", "--redirects=3"],
@@ -31,6 +36,7 @@ def test_redirects_write_per_attempt_per_rank_files(agents, tmp_path):
     assert list(logs.glob("events-*.jsonl"))
 
 
+@pytest.mark.e2e
 def test_console_lines_are_prefixed_and_filtered(agents, tmp_path):
     agent = agents.start(["--standalone", "--nproc-per-node=2", "--local-ranks-filter=1"],
                          script=_script(tmp_path), env=base_env())
@@ -41,6 +47,7 @@ def test_console_lines_are_prefixed_and_filtered(agents, tmp_path):
     assert "hello from 0" not in out
 
 
+@pytest.mark.e2e
 def test_tee_writes_file_and_console(agents, tmp_path):
     logs = tmp_path / "logs"
     agent = agents.start(["--standalone", "--nproc-per-node=2", f"--log-dir={logs}", "--tee=1"],

@@ -28,6 +28,8 @@ from elastrun.config import LaunchConfig
 from elastrun.shared import log
 from elastrun.shared.protocol import exec_argv
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
