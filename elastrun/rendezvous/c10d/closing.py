@@ -31,6 +31,7 @@ from elastrun.rendezvous.c10d.client import StoreClient, all_present
 from elastrun.rendezvous.c10d.seats import FULL_LIST_MAX, FullRoster, all_members, is_seated, split_result
 from elastrun.rendezvous.endpoint import host_worker_store
 from elastrun.rendezvous.keepalive import RingWatch
+from elastrun.rendezvous.outcome import RoundEnd, decide
 from elastrun.rendezvous.rounds import (
     CloseInputs,
     assign_ranks,
@@ -38,9 +39,6 @@ from elastrun.rendezvous.rounds import (
     decode_result,
     encode_result,
     is_void,
-    judge_round_end,
-    result_document,
-    round_cause,
 )
 from elastrun.rendezvous.waiting import NAMED, waiting_line
 
@@ -129,11 +127,7 @@ class Closing(StoreClient):
         """
         closed_key = self._r(round_, "closed")
         result_key = self._r(round_, "result")
-        prev = self._prev_members(round_)
-        slots = JoinSlots()
-        closer = RingWatch(self.conf["heartbeat_timeout"])  # the first joiner's heartbeats (see below)
-        min_reached: float | None = None
-        closable_since: float | None = None
+        wait = _CloseWait(round_, idx, self._prev_members(round_), RingWatch(self.conf["heartbeat_timeout"]))
         poll = _CLOSER_POLL if idx == 1 else _follower_poll(idx)
         next_check = time.monotonic() if idx == 1 else time.monotonic() + poll
         # Whether ``closed`` is worth reading now: always for the first joiner; for the others once
@@ -147,7 +141,7 @@ class Closing(StoreClient):
             now = time.monotonic()
             if now >= deadline:
                 raise self._timeout_error(round_)
-            report.tick(lambda: self._waiting_line(round_, prev, deadline))
+            report.tick(lambda: self._waiting_line(round_, wait.prev, deadline))
             if look:
                 raw = self._peek(closed_key)
                 closed = None if raw is None else self._auth.open(closed_key, raw)
@@ -163,68 +157,91 @@ class Closing(StoreClient):
                 raise self.store_lost_error(self._error)
             if now >= next_check:
                 self._check_job_ended()
-                # The previous members accounted for are read before ``joined``: a rejoiner takes its
-                # ``joined`` slot before it counts itself ``rejoined``, so every rejoiner counted here is
-                # in the count read next.  Read the other way round, a member rejoining between the two
-                # reads was counted as accounted for but not admitted: the round closed without that
-                # live member, and the next change came at once (a round of the others, then one more).
-                accounted = 0
-                if prev is not None:
-                    accounted = (
-                        self._count(self._r(round_, "rejoined"))
-                        + self._count(self._r(round_ - 1, "gone"))
-                        + self._count(self._r(round_ - 1, "done"))
-                    )
-                joined = self._count(self._r(round_, "joined"))
-                if joined >= self.min_nodes and min_reached is None:
-                    min_reached = now
-                inputs = CloseInputs(
-                    joined=joined,
-                    min_nodes=self.min_nodes,
-                    max_nodes=self.max_nodes,
-                    prev_members=None if prev is None else prev.count,
-                    prev_accounted=accounted,
-                    since_min=None if min_reached is None else now - min_reached,
-                    last_call=float(self.conf["last_call_timeout"]),
-                )
-                size = close_size(inputs)
-                if idx != 1 and size is not None:
-                    # A fallback: leave the close to the first joiner unless it has not done it in time.
-                    # Later joiners wait longer, so that a slow first joiner is not joined by all at once.
-                    closable_since = now if closable_since is None else closable_since
-                    grace = _FALLBACK_GRACE * min(idx - 1, 8)
-                    if now - closable_since < grace:
-                        size = None
-                    elif self._auth.enabled and self._closer_alive(round_, closer):
-                        # With a token each fallback reads and checks every join (O(n) each): while
-                        # the first joiner still heartbeats it is closing, only slowly (thousands of
-                        # joins), and thousands of followers stepping in at once would bury it.  A
-                        # first joiner that heartbeats but never closes is left to the earliest few.
-                        stuck = grace + _STUCK_CLOSER_TIMEOUTS * float(self.conf["heartbeat_timeout"])
-                        if idx > 1 + _RESCUERS or now - closable_since < stuck:
-                            size = None
-                admitted = None
-                if size is not None and self._auth.enabled:
-                    # The counters are hints anyone can bump: decide on authentic values only.
-                    size, admitted = self._verified_close(round_, inputs, prev, slots)
-                if size is not None:
-                    self._start_heartbeat()  # a closer's followers watch its heartbeats until its result
-                    last = size if admitted is None else admitted[-1][0]
-                    won, value = self._claim(closed_key, f"{last}:{self._node.node_id}")
-                    if won:
-                        self._closer = self._node.node_id
-                        self._put(self._k("current"), str(round_ + 1))
-                        self._publish_result(round_, last, prev is not None, admitted)
-                        return last
-                    if value is not None:
-                        self._closer = value.partition(":")[2]
-                        return int(value.split(":")[0])
+                last = self._close_if_due(wait, now)
+                if last is not None:
+                    return last
                 next_check = now + poll
             if idx == 1 or held:
                 time.sleep(_CLOSER_POLL)
                 look = True
             else:
                 look = self._wait([closed_key, result_key], max(0.0, min(next_check, deadline) - time.monotonic()))
+
+    def _close_if_due(self, wait: _CloseWait, now: float) -> int | None:
+        """One check of the round's close by this joiner: close it when the rules (and, for a follower,
+        the fallback's grace) allow.  The highest admitted arrival index once it is closed (by this
+        joiner or by another that claimed ``closed`` first); None to keep waiting."""
+        round_ = wait.round
+        inputs = self._close_inputs(wait, now)
+        size = close_size(inputs)
+        if wait.idx != 1 and size is not None and not self._fallback_due(wait, now):
+            size = None
+        admitted = None
+        if size is not None and self._auth.enabled:
+            # The counters are hints anyone can bump: decide on authentic values only.
+            size, admitted = self._verified_close(round_, inputs, wait.prev, wait.slots)
+        if size is None:
+            return None
+        self._start_heartbeat()  # a closer's followers watch its heartbeats until its result
+        last = size if admitted is None else admitted[-1][0]
+        won, value = self._claim(self._r(round_, "closed"), f"{last}:{self._node.node_id}")
+        if won:
+            self._closer = self._node.node_id
+            self._put(self._k("current"), str(round_ + 1))
+            self._publish_result(round_, last, wait.prev is not None, admitted)
+            return last
+        if value is not None:
+            self._closer = value.partition(":")[2]
+            return int(value.split(":")[0])
+        return None
+
+    def _close_inputs(self, wait: _CloseWait, now: float) -> CloseInputs:
+        """The counters of the round's close decision (:func:`elastrun.rendezvous.rounds.close_size`)."""
+        round_, prev = wait.round, wait.prev
+        # The previous members accounted for are read before ``joined``: a rejoiner takes its
+        # ``joined`` slot before it counts itself ``rejoined``, so every rejoiner counted here is
+        # in the count read next.  Read the other way round, a member rejoining between the two
+        # reads was counted as accounted for but not admitted: the round closed without that
+        # live member, and the next change came at once (a round of the others, then one more).
+        accounted = 0
+        if prev is not None:
+            accounted = (
+                self._count(self._r(round_, "rejoined"))
+                + self._count(self._r(round_ - 1, "gone"))
+                + self._count(self._r(round_ - 1, "done"))
+            )
+        joined = self._count(self._r(round_, "joined"))
+        if joined >= self.min_nodes and wait.min_reached is None:
+            wait.min_reached = now
+        return CloseInputs(
+            joined=joined,
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
+            prev_members=None if prev is None else prev.count,
+            prev_accounted=accounted,
+            since_min=None if wait.min_reached is None else now - wait.min_reached,
+            last_call=float(self.conf["last_call_timeout"]),
+        )
+
+    def _fallback_due(self, wait: _CloseWait, now: float) -> bool:
+        """For a joiner other than the first, of a round the rules allow to close: whether it closes it.
+
+        It leaves the close to the first joiner unless that one has not done it in time; later
+        joiners wait longer, so that a slow first joiner is not joined by all at once.
+        """
+        wait.closable_since = now if wait.closable_since is None else wait.closable_since
+        grace = _FALLBACK_GRACE * min(wait.idx - 1, 8)
+        if now - wait.closable_since < grace:
+            return False
+        if self._auth.enabled and self._closer_alive(wait.round, wait.closer):
+            # With a token each fallback reads and checks every join (O(n) each): while
+            # the first joiner still heartbeats it is closing, only slowly (thousands of
+            # joins), and thousands of followers stepping in at once would bury it.  A
+            # first joiner that heartbeats but never closes is left to the earliest few.
+            stuck = grace + _STUCK_CLOSER_TIMEOUTS * float(self.conf["heartbeat_timeout"])
+            if wait.idx > 1 + _RESCUERS or now - wait.closable_since < stuck:
+                return False
+        return True
 
     def _closer_alive(self, round_: int, watch: RingWatch) -> bool:
         """Whether the first joiner of ``round_`` (its closer) is authentic and still heartbeats.
@@ -270,54 +287,64 @@ class Closing(StoreClient):
     def _publish_result(
         self, round_: int, size: int, has_prev: bool, admitted: list[tuple[int, NodeInfo]] | None = None
     ) -> None:
-        if admitted is not None:
-            nodes = [info for _, info in admitted]
-        else:
-            keys = [self._r(round_, "node", i) for i in range(1, size + 1)]
-            # A joiner writes its info right after taking its slot; allow a moment for the last ones.
-            if all_present(self._store, keys, _SLOT_WAIT):
-                raw = list(zip(keys, self._store.multi_get(keys), strict=True))
-            else:  # a joiner died between taking a slot and filling it: leave it out of the round
-                raw = [(k, self._get(k)) for k in keys if self._exists(k)]
-            nodes = [NodeInfo.from_json(v) for v in (self._auth.open(k, r) for k, r in raw) if v is not None]
-        members = assign_ranks(nodes)
+        """As the closer of ``round_``: read its facts, apply :func:`elastrun.rendezvous.outcome.decide`,
+        and write the result (with its seats and parts in a large round) and the job's budget."""
+        nodes = [info for _, info in admitted] if admitted is not None else self._joined_infos(round_, size)
         used = self._count(self._k("restarts_used"))
-        abort = None
-        lost: list[str] = []
-        abort_code = 1
-        cause = None
+        streak_key = self._k("no_progress_streak")
+        ended, streak = None, 0
         if has_prev:
-            failures = self._failures(round_ - 1)
             lost = list(dict.fromkeys(self._lines(self._r(round_ - 1, "gone_list"))))
-            cause = round_cause(failures, lost)
-            streak_key = self._k("no_progress_streak")
+            ended = RoundEnd(self._failures(round_ - 1), lost, self._lost_causes(round_ - 1, lost), len(lost))
             streak = int(self._read(streak_key) or 0)
-            verdict = judge_round_end(self.run_id, failures, len(lost), used, streak, self.params.max_restarts,
-                                      self.params.crash_loop_limit)
-            if verdict.restarts_used > used:
-                used = int(self._store.add(self._k("restarts_used"), verdict.restarts_used - used))
-            self._put(streak_key, str(verdict.no_progress_streak))
-            abort, abort_code = verdict.abort, verdict.abort_code
-        causes = self._lost_causes(round_ - 1, lost)
         generation = int(self._store.add(self._k("generation"), 1)) - 1
-        restarts_used = min(used, self.params.max_restarts) if abort is None else used
-        extra: dict[str, Any] = {"lost_causes": causes}
-        if cause is not None:
-            extra["cause"] = cause.to_dict()
-        if abort is None and members and members[0].node_id == self._node.node_id:
-            # This closer is group rank 0 (in round 0 the first joiner always is): it starts the
-            # workers' store now and the result carries its address, so no member waits for
-            # ``store`` on its own (at thousands of nodes, one wake-up and two operations each).
-            try:
-                self._worker_store = host_worker_store(members[0].addr)
-            except Exception:  # publish without it: taking this node's place tries again, and fails there
-                self._worker_store = None
-            if self._worker_store is not None:
-                extra["store"] = f"{members[0].addr}:{self._worker_store.port}"
-                self._put(self._r(round_, "store"), extra["store"])
-        doc = result_document(members, generation, restarts_used, self.params.max_restarts, abort, abort_code, lost,
-                              **extra)
-        if len(members) > FULL_LIST_MAX:
+        outcome = decide(self.run_id, assign_ranks(nodes), generation, used, streak, ended, self.params.max_restarts,
+                         self.params.crash_loop_limit)
+        if has_prev:
+            if outcome.restarts_used > used:
+                self._store.add(self._k("restarts_used"), outcome.restarts_used - used)
+            self._put(streak_key, str(outcome.no_progress_streak))
+        doc = outcome.document
+        if outcome.abort is None:
+            self._start_store_for(round_, outcome.members, doc)
+        if not self._write_result(round_, doc):
+            return
+        if outcome.abort is not None:
+            self._put(self._k("abort_code"), str(outcome.abort_code))
+            self._put(self._k("abort"), outcome.abort)
+        else:
+            gone = [n for n in doc["lost"] if doc["lost_causes"].get(n) in ("link", "silence")]
+            threading.Thread(target=self._prune, args=(round_ - KEEP_ROUNDS, gone), name="elastrun-prune",
+                             daemon=True).start()
+
+    def _joined_infos(self, round_: int, size: int) -> list[NodeInfo]:
+        """The infos of joiners 1..``size`` of ``round_`` (without a token: every slot is taken as it is)."""
+        keys = [self._r(round_, "node", i) for i in range(1, size + 1)]
+        # A joiner writes its info right after taking its slot; allow a moment for the last ones.
+        if all_present(self._store, keys, _SLOT_WAIT):
+            raw = list(zip(keys, self._store.multi_get(keys), strict=True))
+        else:  # a joiner died between taking a slot and filling it: leave it out of the round
+            raw = [(k, self._get(k)) for k in keys if self._exists(k)]
+        return [NodeInfo.from_json(v) for v in (self._auth.open(k, r) for k, r in raw) if v is not None]
+
+    def _start_store_for(self, round_: int, members: list, doc: dict[str, Any]) -> None:
+        """When this closer is group rank 0 (in round 0 the first joiner always is): start the workers'
+        store now and put its address in ``doc``, so no member waits for ``store`` on its own (at
+        thousands of nodes, one wake-up and two operations each)."""
+        if not members or members[0].node_id != self._node.node_id:
+            return
+        try:
+            self._worker_store = host_worker_store(members[0].addr)
+        except Exception:  # publish without it: taking this node's place tries again, and fails there
+            self._worker_store = None
+        if self._worker_store is not None:
+            doc["store"] = f"{members[0].addr}:{self._worker_store.port}"
+            self._put(self._r(round_, "store"), doc["store"])
+
+    def _write_result(self, round_: int, doc: dict[str, Any]) -> bool:
+        """Write ``doc`` as ``round_``'s result (seats and parts first in a round of more than
+        :data:`FULL_LIST_MAX` members); False when a follower wrote the round void first."""
+        if len(doc["members"]) > FULL_LIST_MAX:
             # Each member reads its own seat, not the whole list (O(n) bytes per round, not O(n²)); the
             # seats and parts go first, so a member that sees the result finds its seat.
             doc, seats, parts = split_result(doc)
@@ -329,18 +356,10 @@ class Closing(StoreClient):
         if not published and current is None:  # a value that is not authentic holds the key: replace it
             self._put(result_key, text)
             published = True
-        if not published:
-            # A follower judged this closer silent (its heartbeats stood still: a loaded host) and
-            # wrote the round void first (handler.py, ``_await_published``): every joiner, this one
-            # included, reads the void and joins the next round.
-            return
-        if abort is not None:
-            self._put(self._k("abort_code"), str(abort_code))
-            self._put(self._k("abort"), abort)
-        else:
-            gone = [n for n in lost if causes.get(n) in ("link", "silence")]
-            threading.Thread(target=self._prune, args=(round_ - KEEP_ROUNDS, gone), name="elastrun-prune",
-                             daemon=True).start()
+        # Not published: a follower judged this closer silent (its heartbeats stood still: a loaded
+        # host) and wrote the round void first (handler.py, ``_await_published``): every joiner, this
+        # one included, reads the void and joins the next round.
+        return published
 
     def _prune(self, old: int, gone: list[str]) -> None:
         """Delete the keys of round ``old`` and the heartbeat keys of the nodes in ``gone`` (lost
@@ -369,6 +388,21 @@ class Closing(StoreClient):
         except Exception:  # the store is going away (the job ends): nothing to keep bounded any more
             pass
 
+
+
+@dataclasses.dataclass
+class _CloseWait:
+    """One joiner's wait for a round's close (:meth:`Closing._await_close`): what it knows, and the
+    times its fallback counts from."""
+
+    round: int
+    idx: int
+    prev: PrevRound | None
+    #: The first joiner's heartbeats (a follower's fallback with a token asks whether it still closes).
+    closer: RingWatch
+    slots: JoinSlots = dataclasses.field(default_factory=lambda: JoinSlots())
+    min_reached: float | None = None
+    closable_since: float | None = None
 
 
 class PrevRound:
