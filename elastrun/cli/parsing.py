@@ -20,15 +20,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from elastrun.cli.flags import BY_DEST, FLAGS, FORWARDED, NO_ENV, PROG, Flag, help_text
-from elastrun.config import ALLOWED, DEFAULT_MASTER_PORT, DEFAULT_RDZV_PORT, LaunchConfig, Std
+from elastrun.cli.values import (
+    NPROC_ALLOWED,
+    check_host,
+    int_value,
+    parse_endpoint,
+    parse_nnodes,
+    parse_nproc,
+    parse_rdzv_conf,
+    parse_std_spec,
+)
+from elastrun.config import ALLOWED, DEFAULT_MASTER_PORT, DEFAULT_RDZV_PORT, LaunchConfig
 from elastrun.errors import UsageError
-from elastrun.hostprobe import count_gpus, cpu_count, torch_has_cuda
 from elastrun.rendezvous import conf as rdzv_conf
-from elastrun.rendezvous.endpoint import check_host as _check_host
-from elastrun.rendezvous.endpoint import join_address, split_address
 from elastrun.shared import log
 
-_NPROC_ALLOWED = "use a positive integer, auto, cpu or gpu"
 #: LaunchConfig fields named by another flag's dest.
 _FIELD_FLAGS = {"min_nodes": "nnodes", "max_nodes": "nnodes", "run_id": "rdzv_id", "rdzv_configs": "rdzv_conf"}
 #: Backends whose endpoint is a comma-separated list of etcd members.
@@ -187,7 +193,7 @@ class _Settings:
 
     def int(self, dest: str) -> int:
         """The value as an integer; its range is :meth:`LaunchConfig.validate`'s to check."""
-        return _int(self.label(dest), self.text(dest), None, None, ALLOWED[dest])
+        return int_value(self.label(dest), self.text(dest), None, None, ALLOWED[dest])
 
     def seconds(self, dest: str) -> float:
         try:
@@ -208,99 +214,6 @@ class _Settings:
             return "/".join(flag.names) if flag.is_switch else self.label(flag.dest)
 
         return label
-
-
-# --------------------------------------------------------------------------------------------
-# Checking single values
-# --------------------------------------------------------------------------------------------
-
-
-def _int(label: str, text: str, lo: int | None, hi: int | None, allowed: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise UsageError(f"{label} is not an integer; {allowed}") from None
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise UsageError(f"{label} is out of range; {allowed}")
-    return value
-
-
-def parse_nnodes(label: str, text: str) -> tuple[int, int]:
-    """``N`` or ``MIN:MAX`` → ``(min_nodes, max_nodes)``; their range is checked by LaunchConfig.validate."""
-    parts = text.strip().split(":")
-    if len(parts) > 2 or not all(part.strip().isdigit() for part in parts):
-        raise UsageError(f"{label} is not a node count; {ALLOWED['min_nodes']}")
-    return int(parts[0]), int(parts[-1])
-
-
-def parse_std_spec(label: str, text: str) -> dict[int, Std]:
-    """torchrun's ``--redirects``/``--tee`` syntax → ``{local_rank: Std}``.
-
-    A single value (``"3"``) applies to every local rank and is stored under the key ``-1``;
-    ``"0:1,1:2"`` names ranks one by one; ``"0"`` (nothing) gives an empty map.
-    """
-    allowed = "use 0-3 for every local rank (0 none, 1 stdout, 2 stderr, 3 both) or LOCAL_RANK:0-3,..."
-    spec = text.strip()
-    if re.fullmatch(r"[0-3]", spec):
-        level = Std(int(spec))
-        return {-1: level} if level else {}
-    if not re.fullmatch(r"\d+:[0-3](,\d+:[0-3])*", spec):
-        raise UsageError(f"{label} is not a stream spec; {allowed}")
-    out: dict[int, Std] = {}
-    for item in spec.split(","):
-        rank, level = (int(part) for part in item.split(":"))
-        if rank in out:
-            raise UsageError(f"{label} names local rank {rank} twice; {allowed}")
-        out[rank] = Std(level)
-    return out
-
-
-def parse_rdzv_conf(label: str, text: str) -> dict[str, str]:
-    """``KEY=VALUE,KEY=VALUE`` → dict (see :func:`elastrun.rendezvous.conf.split`)."""
-    try:
-        return rdzv_conf.split(text)
-    except ValueError as exc:
-        raise UsageError(f"{label}: {exc}") from None
-
-
-def check_host(label: str, host: str) -> str:
-    """A host name or an IP address (see :func:`elastrun.rendezvous.endpoint.check_host`)."""
-    try:
-        return _check_host(host)
-    except ValueError as exc:
-        raise UsageError(f"{label}: {exc}") from None
-
-
-def parse_endpoint(label: str, text: str, default_port: int) -> str:
-    """``HOST[:PORT]`` → ``HOST:PORT`` (``[ADDR]:PORT`` for IPv6), the port filled in when left out."""
-    try:
-        return join_address(*split_address(text, default_port))
-    except ValueError as exc:
-        raise UsageError(f"{label}: {exc}") from None
-
-
-# --------------------------------------------------------------------------------------------
-# --nproc-per-node words
-# --------------------------------------------------------------------------------------------
-
-
-def parse_nproc(label: str, text: str, environ: Mapping[str, str]) -> int:
-    """``--nproc-per-node``: an integer, or auto / cpu / gpu (see the flag's help)."""
-    allowed = _NPROC_ALLOWED
-    word = text.strip().lower()
-    if word == "cpu":
-        return cpu_count()
-    if word == "auto":
-        gpus = count_gpus(environ) if torch_has_cuda() else 0
-        return gpus or cpu_count()
-    if word == "gpu":
-        gpus = count_gpus(environ)
-        if not gpus:
-            raise UsageError(f"{label}: no GPU is visible on this host; {allowed}")
-        if not torch_has_cuda():
-            raise UsageError(f"{label}: the installed torch is a CPU-only build; {allowed}")
-        return gpus
-    return _int(label, text, None, None, allowed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -490,7 +403,7 @@ def parse_with_warnings(argv: Sequence[str], environ: Mapping[str, str]) -> tupl
         role=s.text("role"),
         start_method=s.text("start_method"),
     )
-    config.validate(s.field_label(config), {"nproc_per_node": _NPROC_ALLOWED})
+    config.validate(s.field_label(config), {"nproc_per_node": NPROC_ALLOWED})
     _check_entry_exists(config)
     return config, warnings
 

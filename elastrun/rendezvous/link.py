@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import errno
 import hmac
-import os
 import secrets
 import selectors
 import socket
@@ -431,46 +430,6 @@ class Link:
             self._sel.close()
             for sock in (self._listener, self._wake_r, self._wake_w):
                 sock.close()
-
-
-class Wakeup:
-    """A pipe whose read end turns readable on :meth:`set` until :meth:`clear`: wakes a ``select`` loop."""
-
-    def __init__(self) -> None:
-        self._r, self._w = os.pipe()
-        os.set_blocking(self._r, False)
-        os.set_blocking(self._w, False)
-        self._closed = False
-
-    def fileno(self) -> int:
-        return self._r
-
-    def set(self) -> None:
-        if self._closed:
-            return
-        try:
-            os.write(self._w, b"x")
-        except OSError:  # full: already set
-            pass
-
-    def clear(self) -> None:
-        if self._closed:
-            return
-        try:
-            while os.read(self._r, 256):
-                pass
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for fd in (self._r, self._w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
 
 
 def listen_for_watchers(node: NodeInfo, auth: Callable[[], Sealer], on_dead: Callable[[str], None],

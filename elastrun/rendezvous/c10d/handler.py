@@ -49,9 +49,10 @@ from elastrun.rendezvous.c10d.seats import FullRoster, Roster, SeatedRoster, is_
 from elastrun.rendezvous.c10d.status import read_job_status
 from elastrun.rendezvous.endpoint import host_worker_store, route_address, split_endpoint
 from elastrun.rendezvous.keepalive import Heartbeat, RingWatch
-from elastrun.rendezvous.link import Link, Wakeup
+from elastrun.rendezvous.link import Link
 from elastrun.rendezvous.rounds import decode_result, fault_line, is_void, timeout_error, void_result
 from elastrun.rendezvous.waiting import DEFAULT_INTERVAL as DEFAULT_WAIT_REPORT
+from elastrun.rendezvous.wakeup import Wakeup
 
 #: ``--rdzv-conf`` keys of the store backends, with defaults.
 CONFIG_KEYS: dict[str, conf.Key] = {

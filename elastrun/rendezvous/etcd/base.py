@@ -47,8 +47,9 @@ from elastrun.rendezvous.etcd.client import (
 )
 from elastrun.rendezvous.etcd.lease_keeper import LeaseKeeper
 from elastrun.rendezvous.etcd.streams import WatchSet
-from elastrun.rendezvous.link import Link, Wakeup
+from elastrun.rendezvous.link import Link
 from elastrun.rendezvous.rounds import timeout_error
+from elastrun.rendezvous.wakeup import Wakeup
 from elastrun.shared import log
 
 

@@ -220,18 +220,7 @@ class EtcdClient:
                 except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, ex.InternalServerError) as exc:
                     if isinstance(exc, ex.ConnectionTimeoutError) and timeout is None:
                         self.shared.timed_out(time.monotonic() - sent)
-                    text = _grpc_message(exc)[0] or repr(exc)
-                    if any(word in text.lower() for word in _TLS_WORDS):
-                        raise EtcdTLSError(
-                            f"TLS with etcd at {host}:{port} failed: {text[:300]}; check --rdzv-conf "
-                            "ca_cert, client_cert, client_key and protocol"
-                        ) from None
-                    if self.settings.protocol == "http" and "closed connection" in text and speaks_tls(host, port):
-                        raise EtcdTLSError(
-                            f"etcd at {host}:{port} speaks TLS (it closed a plain HTTP request); use --rdzv-conf "
-                            "protocol=https with ca_cert (and client_cert, client_key if it requires them)"
-                        ) from None
-                    errors.append(f"{host}:{port}: {text[:200]}")
+                    errors.append(f"{host}:{port}: {self._unreached(exc, host, port)[:200]}")
                     break
                 except ex.Etcd3Exception as exc:
                     message, code = _grpc_message(exc)
@@ -259,6 +248,23 @@ class EtcdClient:
                     self.revision = max(self.revision, int(header["revision"]))
                 return reply
         raise EtcdUnavailable("no etcd member answered: " + "; ".join(errors))
+
+    def _unreached(self, exc: Exception, host: str, port: int) -> str:
+        """The text of a connection error with one member (to try the next); raises
+        :class:`EtcdTLSError` where the error is TLS's (a wrong certificate or protocol): no other
+        member would answer either, and the user has a setting to fix."""
+        text = _grpc_message(exc)[0] or repr(exc)
+        if any(word in text.lower() for word in _TLS_WORDS):
+            raise EtcdTLSError(
+                f"TLS with etcd at {host}:{port} failed: {text[:300]}; check --rdzv-conf "
+                "ca_cert, client_cert, client_key and protocol"
+            ) from None
+        if self.settings.protocol == "http" and "closed connection" in text and speaks_tls(host, port):
+            raise EtcdTLSError(
+                f"etcd at {host}:{port} speaks TLS (it closed a plain HTTP request); use --rdzv-conf "
+                "protocol=https with ca_cert (and client_cert, client_key if it requires them)"
+            ) from None
+        return text
 
     # ------------------------------------------------------------------ key-value operations
     def range(self, key: str, end: str | None = None, *, count_only: bool = False, keys_only: bool = False,

@@ -147,8 +147,7 @@ class Joining(HandlerBase):
         """
         assert self._watch is not None and self._node is not None
         me = self._node.node_id
-        result_key, join_prefix = self._r(round_, "result"), self._r(round_, "join/")
-        prev_prefix = self._r(round_ - 1, "") if round_ > 0 else None
+        join_prefix = self._r(round_, "join/")
         min_reached: float | None = None
         joined = 0
         look = False  # re-read the state now
@@ -190,21 +189,31 @@ class Joining(HandlerBase):
             if events is None:
                 look = True
                 continue
-            for ev in events:
-                if ev.key == result_key and ev.kind == "PUT":
-                    found = self._auth.open(ev.key, ev.value)  # a forged one is ignored (reported once)
-                    if found is not None:
-                        return self._closed_round(round_, found)
-                elif ev.key == self._q + "abort":
-                    look = True
-                elif ev.key.startswith(join_prefix):
-                    look = look or closer or ev.kind == "DELETE"
-                elif closer and prev_prefix and ev.key.startswith(prev_prefix):
-                    look = True
+            found, look = self._scan(events, round_, closer, look)
+            if found is not None:
+                return self._closed_round(round_, found)
             if closer and min_reached is not None and \
                     time.monotonic() >= min_reached + float(self.conf["last_call_timeout"]):
                 look = True
 
+
+    def _scan(self, events: list, round_: int, closer: bool, look: bool) -> tuple[str | None, bool]:
+        """What the watch's ``events`` tell a node waiting for ``round_``: its authentic result (None: not
+        yet; a forged one is ignored, reported once), and whether to read the round's state again."""
+        result_key, join_prefix = self._r(round_, "result"), self._r(round_, "join/")
+        prev_prefix = self._r(round_ - 1, "") if round_ > 0 else None
+        for ev in events:
+            if ev.key == result_key and ev.kind == "PUT":
+                found = self._auth.open(ev.key, ev.value)
+                if found is not None:
+                    return found, look
+            elif ev.key == self._q + "abort":
+                look = True
+            elif ev.key.startswith(join_prefix):
+                look = look or closer or ev.kind == "DELETE"
+            elif closer and prev_prefix and ev.key.startswith(prev_prefix):
+                look = True
+        return None, look
 
     def _waiting_line(self, round_: int, deadline: float) -> str | None:
         """The line of this node waiting for ``round_`` to close (one request: the first joins)."""
@@ -319,6 +328,13 @@ class Joining(HandlerBase):
             self._watch.wait(seen, min(1.0, max(0.0, deadline - time.monotonic())))
         store_addr, _, store_port = found.rpartition(":")
         result = member_view(round_, doc, members, me, store_addr, int(store_port))
+        self._take_round(round_, result, members, cursor)
+        return result
+
+    def _take_round(self, round_: int, result: RoundResult, members: list[Member], cursor: int) -> None:
+        """Make ``result`` this node's round: its members, its ring (whose successor this node watches
+        from now on) and the watch position its polls start from."""
+        assert self._node is not None
         self._round, self._result = round_, result
         self._members = {m.node_id for m in members}
         self._poll_seq = cursor
@@ -331,4 +347,3 @@ class Joining(HandlerBase):
             self._ring_members = sorted(members, key=lambda m: m.group_rank)
             self._link_gone = set()
         self._relink()
-        return result

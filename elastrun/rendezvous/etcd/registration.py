@@ -112,6 +112,11 @@ class Registration(HandlerBase):
         if claim is None and not self._kv.txn([*guard, cmp_absent(claim_key)],
                                               [op_put(claim_key, self._node.node_id, self._lease)]):
             return False
+        return self._start_incarnation(guard, claim_key, agent_key, me, replaced)
+
+    def _start_incarnation(self, guard: list, claim_key: str, agent_key: str, me: str, replaced: str | None) -> bool:
+        """With the start claimed: grant the job lease and create a new incarnation (``epoch``) in one
+        transaction that holds only while ``guard`` does; False when it did not (the claim is let go)."""
         job_lease = self._kv.grant(int(self.conf["job_ttl"]), new_lease_id())
         new_id = uuid.uuid4().hex[:12]
         fresh = {"id": new_id, "lease": job_lease, "auth": self._token.new_marker()}
