@@ -1,4 +1,5 @@
-"""The rendezvous conformance suite (elastrun/rendezvous/conformance.py) on every built-in backend.
+"""The rendezvous conformance suite (elastrun/rendezvous/conformance.py) on every built-in backend, and on
+an in-memory fake that applies the same rules with no storage protocol (in milliseconds).
 
 c10d and static on a real ``TCPStore`` hosted by node 0's handler, etcd on one real etcd server for
 the module (each case is a job of its own: its run id is its key prefix).  The handlers of a case run
@@ -19,6 +20,7 @@ from elastrun.rendezvous.c10d.static import create_handler as static_handler
 from elastrun.rendezvous.etcd import create_handler as etcd_handler
 from tests.harness import free_port
 from tests.rendezvous.etcd_cluster import EtcdCluster, etcd_available
+from tests.rendezvous.memory_backend import MemoryHandler, MemoryJob
 
 pytestmark = pytest.mark.contract
 
@@ -62,6 +64,21 @@ class EtcdJobs(conformance.Jobs):
         return etcd_handler(self.params(job, node, self.endpoints, **_COMMON, lease_ttl="10"))
 
 
+class MemoryJobs(conformance.Jobs):
+    """The in-memory fake (tests/rendezvous/memory_backend.py): the rules without a storage protocol."""
+
+    backend = "memory"
+
+    def __init__(self, directory) -> None:
+        super().__init__(directory)
+        self._jobs: dict[str, MemoryJob] = {}
+
+    def handler(self, job: conformance.JobSpec, node: int) -> RendezvousHandler:
+        params = self.params(job, node, "", last_call_timeout="0.2")
+        shared = self._jobs.setdefault(job.run_id, MemoryJob(params, job.token))
+        return MemoryHandler(shared, job.token_of(node))
+
+
 @pytest.fixture(scope="module")
 def etcd_endpoints():
     if not etcd_available():
@@ -78,6 +95,12 @@ def no_env_token(monkeypatch):
 
 def _ids(case) -> str:
     return case.__name__
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", conformance.cases_for(MemoryJobs), ids=_ids)
+def test_memory(case, tmp_path):
+    case(MemoryJobs(tmp_path))
 
 
 @pytest.mark.parametrize("case", conformance.cases_for(C10dJobs), ids=_ids)
