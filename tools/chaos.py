@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -144,5 +145,12 @@ def until_failure(a: argparse.Namespace, netns: bool) -> int:
     return 0
 
 
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM (``kill``, a CI time limit) unwinds the run like Ctrl-C, so each job's clean-up stops its
+    agents, etcd members and network namespaces: killed outright, the run left them running."""
+    raise KeyboardInterrupt(f"chaos.py got signal {signum}")
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _terminated)
     sys.exit(main())
