@@ -13,7 +13,7 @@ from __future__ import annotations
 import _posixsubprocess
 import os
 import signal
-import sys
+import subprocess
 
 import pytest
 
@@ -100,30 +100,33 @@ def tier_of(item: pytest.Item) -> str | None:
 class _InProcessGuard:
     """Fails a ``unit`` or ``contract`` test that starts a child process (while the test body runs).
 
-    ``subprocess`` and ``os.fork``/``posix_spawn`` are seen through audit events; ``multiprocessing``'s
-    spawn and forkserver start methods call ``_posixsubprocess.fork_exec``, which raises none, so that
-    function is wrapped.  An audit hook cannot be removed: it is installed once and consults ``test``.
+    The functions through which Python starts one are wrapped: ``subprocess``'s ``_fork_exec`` and
+    ``_posixsubprocess.fork_exec`` (``multiprocessing``'s spawn and forkserver), ``os.fork``,
+    ``os.forkpty``, ``os.posix_spawn``/``posix_spawnp`` and ``os.system``.  Not an audit hook: on
+    CPython 3.11 a Python audit hook runs inside ``sys.settrace``, and a thread that starts meanwhile
+    under a tracer (coverage in ``tools/test.sh --fast``) dies before its target runs ("Cannot install a
+    trace function while another trace function is being installed"): a heartbeat thread was lost so.
     """
 
-    EVENTS = ("subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system")
+    WRAPPED = ((subprocess, "_fork_exec"), (_posixsubprocess, "fork_exec"), (os, "fork"), (os, "forkpty"),
+               (os, "posix_spawn"), (os, "posix_spawnp"), (os, "system"))
 
     def __init__(self) -> None:
         self.test: str | None = None  # the node id of the in-process test running now
         #: What the running test was refused: the test fails with it even where the refusal was
         #: raised in a thread of its own (seen: a library's helper thread running ``ldconfig``).
         self.refused: str | None = None
-        sys.addaudithook(self._audit)
-        real = _posixsubprocess.fork_exec
+        for module, name in self.WRAPPED:
+            real = getattr(module, name, None)
+            if real is not None:
+                setattr(module, name, self._guarded(real, f"{module.__name__}.{name}"))
 
-        def fork_exec(*args, **kwargs):
-            self._refuse("a multiprocessing child")
+    def _guarded(self, real, what: str):
+        def guarded(*args, **kwargs):
+            self._refuse(what)
             return real(*args, **kwargs)
 
-        _posixsubprocess.fork_exec = fork_exec
-
-    def _audit(self, event: str, args: tuple) -> None:
-        if event in self.EVENTS:
-            self._refuse(event)
+        return guarded
 
     def _refuse(self, what: str) -> None:
         if self.test is not None:
