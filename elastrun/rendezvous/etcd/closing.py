@@ -59,16 +59,15 @@ class Closing(HandlerBase):
         if size is None:
             return False
         members = assign_ranks([NodeInfo.from_json(kv.value) for kv in joiners[:size]])
-        if prev is None:
-            outcome = decide(self.run_id, members, 0, 0, 0, None, self.params.max_restarts,
-                             self.params.crash_loop_limit)
-        else:
+        generation, used, streak, ended = 0, 0, 0, None  # a job's first round
+        if prev is not None:
             fail_prefix = self._r(round_ - 1, "fail/")
             kvs, _ = self._retry(lambda: self._kv.range(fail_prefix, prefix_end(fail_prefix)), deadline, "read")
             prev.ended.failures = [FailureRecord.from_json(kv.value) for kv in self._authentic(kvs)]
-            outcome = decide(self.run_id, members, int(prev.doc["generation"]) + 1,
-                             int(prev.doc.get("restarts_used", 0)), int(prev.doc.get("no_progress_streak", 0)),
-                             prev.ended, self.params.max_restarts, self.params.crash_loop_limit)
+            generation, used, streak, ended = (int(prev.doc["generation"]) + 1, int(prev.doc.get("restarts_used", 0)),
+                                               int(prev.doc.get("no_progress_streak", 0)), prev.ended)
+        outcome = decide(self.run_id, members, generation, used, streak, ended, self.params.max_restarts,
+                         self.params.crash_loop_limit)
         return self._write_close(round_, outcome, deadline)
 
     def _previous_round(self, round_: int, joined: set[str], deadline: float) -> _Previous | None:
