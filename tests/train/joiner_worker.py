@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import elastrun.train as et
+from elastrun.shared import procexit
 
 
 def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
@@ -54,12 +55,12 @@ def main() -> None:
             source = state.restore()
         except RuntimeError as e:
             print(json.dumps({"error": str(e)}), flush=True)
-            sys.exit(3)
+            procexit.leave(3)
         out = {"source": source, "step": state.step, "digest": digest(model, opt),
                "in_place": ptrs == [p.data_ptr() for p in model.parameters()], "transfer": state.last_transfer}
     state.close()
     print(json.dumps(out), flush=True)
-    dist.destroy_process_group()
+    procexit.leave(0)  # as elastrun's workers end: torch's own teardown can abort or hang after the work
 
 
 if __name__ == "__main__":

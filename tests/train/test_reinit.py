@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 KEPT = """
 import os, sys, torch, torch.distributed as dist
+from elastrun.shared import procexit
 from elastrun.train.dist import init_distributed
 os.environ.update(MASTER_PORT=sys.argv[1], TORCHELASTIC_RESTART_COUNT="1")
 try:
@@ -43,15 +44,18 @@ init_distributed("gloo", timeout_s=float(sys.argv[3]))
 t = torch.ones(1)
 dist.all_reduce(t)
 print("sum", t.item(), flush=True)
+procexit.leave(0)  # as elastrun's workers end: torch's own teardown can abort after the work is done
 """
 
 FRESH = """
 import sys, torch, torch.distributed as dist
+from elastrun.shared import procexit
 from elastrun.train.dist import init_distributed
 init_distributed("gloo", timeout_s=float(sys.argv[1]))
 t = torch.ones(1)
 dist.all_reduce(t)
 print("sum", t.item(), flush=True)
+procexit.leave(0)  # as elastrun's workers end: torch's own teardown can abort after the work is done
 """
 
 
