@@ -11,9 +11,11 @@ child process fails, so the fast tier (``tools/test.sh --fast``) stays what its 
 from __future__ import annotations
 
 import _posixsubprocess
+import json
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -79,6 +81,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="tools/test.sh runs the suite in two phases: 'concurrent' (every test not marked serial, on "
              "several xdist workers), then 'serial' (the tests marked serial, one at a time, alone); "
              "default: all tests")
+    parser.addoption(
+        "--record-durations", action="store_true",
+        help="write each test's duration (1 s or more) into tests/durations.json, which orders the tests "
+             "handed out to xdist workers, longest first")
     parser.addoption(
         "--tier", default=",".join(TIERS),
         help=f"comma-separated tiers to run, of {', '.join(TIERS)} (default: all); tools/test.sh --fast runs "
@@ -177,6 +183,47 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
+    if hasattr(config, "workerinput"):  # an xdist worker: the order it reports is the order work is handed out
+        known = _recorded_durations()
+        items.sort(key=lambda item: -known.get(item.nodeid, 0.0))
+
+
+#: Each slow test's last recorded seconds (setup, call and teardown), by node id: ``--record-durations``.
+DURATIONS_FILE = Path(__file__).with_name("durations.json")
+
+
+def _recorded_durations() -> dict[str, float]:
+    """The recorded durations; empty when the file is missing or unreadable (the order is then collection order).
+
+    On two cores the suite is CPU-bound, and tests/train's long end-to-end tests come last in collection
+    order: handed out last, they ran alone at the end while the other workers sat idle.  Under xdist the
+    tests are handed out longest first instead; a test not in the file counts as short.
+    """
+    try:
+        data = json.loads(DURATIONS_FILE.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: float(v) for k, v in data.items() if isinstance(v, (int, float))}
+
+
+_SPENT: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add up each test's setup, call and teardown time, for ``--record-durations``."""
+    _SPENT[report.nodeid] = _SPENT.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """With ``--record-durations``: merge this run's durations of 1 s or more into tests/durations.json."""
+    config = session.config
+    if not config.getoption("--record-durations") or hasattr(config, "workerinput"):
+        return
+    merged = _recorded_durations()
+    merged.update({k: round(v, 1) for k, v in _SPENT.items() if v >= 1.0})
+    for k in [k for k, v in _SPENT.items() if v < 1.0]:
+        merged.pop(k, None)
+    DURATIONS_FILE.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
 
 
 @pytest.hookimpl(wrapper=True)
