@@ -19,12 +19,13 @@ script or a function as the entry point::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,24 @@ def launch(config: LaunchConfig, entrypoint: Callable[..., Any] | str, *args: An
     Raises :class:`UsageError` (a ValueError) for a bad request, before anything starts, and
     :class:`LaunchError` when the job fails.
     """
+    with log.kept_settings(), _kept_env("TORCH_CPP_LOG_LEVEL"):
+        return _launch(config, entrypoint, *args)
+
+
+@contextlib.contextmanager
+def _kept_env(name: str) -> Iterator[None]:
+    """Put ``os.environ[name]`` back as it was on leaving (:func:`run` sets it for the agent's own store client)."""
+    before = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def _launch(config: LaunchConfig, entrypoint: Callable[..., Any] | str, *args: Any) -> dict[int, Any]:
     if isinstance(entrypoint, str):
         job = dataclasses.replace(config, entrypoint=entrypoint, args=[str(a) for a in args])
         check(job)

@@ -185,7 +185,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = keep
     if hasattr(config, "workerinput"):  # an xdist worker: the order it reports is the order work is handed out
         known = _recorded_durations()
-        items.sort(key=lambda item: -known.get(item.nodeid, 0.0))
+        items.sort(key=lambda item: _hand_out_order(item, known))
+
+
+def _hand_out_order(item: pytest.Item, known: dict[str, float]) -> float:
+    """Longest first; the files one worker runs keep their order (their module fixtures are built once for it)."""
+    if item.nodeid.split("::", 1)[0] in ONE_WORKER_FILES:
+        return float("-inf")
+    return -known.get(item.nodeid, 0.0)
 
 
 #: Each slow test's last recorded seconds (setup, call and teardown), by node id: ``--record-durations``.

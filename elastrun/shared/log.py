@@ -16,10 +16,12 @@ of its own to the ``elastrun`` logger.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 ROOT = "elastrun"
 #: The console level (``ERROR``, ``INFO`` or ``DEBUG``) the agent hands its workers, for
@@ -80,6 +82,20 @@ def configure(quiet: bool = False, verbose: bool = False) -> None:
 def set_node(node_id: str) -> None:
     """From now on prefix lines with ``elastrun[<node_id>]`` and the time (the agent knows its id)."""
     _handler.node = node_id
+
+
+@contextlib.contextmanager
+def kept_settings() -> Iterator[None]:
+    """Put the level and node id back as they were on leaving: a library call (``elastrun.launch``)
+    configures logging for its job and must not leave the caller's process changed (a ``quiet=True``
+    launch silenced every later warning of elastrun in the caller)."""
+    root = logging.getLogger(ROOT)
+    level, node = root.level, _handler.node
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+        _handler.node = node
 
 
 def level_name() -> str:

@@ -23,19 +23,24 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 def test_launch_a_function_returns_each_ranks_value():
     proc = _run("""
-        import copy
+        import copy, logging, os
         from elastrun.config import LaunchConfig
         from elastrun.launcher import launch
         from tests.scripts.funcs import allreduce_rank
 
         config = LaunchConfig(entrypoint="", nproc_per_node=2, rdzv_backend="c10d",
-                              rdzv_endpoint="localhost:0", standalone=True, run_id="api")
+                              rdzv_endpoint="localhost:0", standalone=True, run_id="api", quiet=True)
         before = copy.deepcopy(config)
+        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+        level = logging.getLogger("elastrun").level
         print("RESULT", sorted(launch(config, allreduce_rank, 10).items()))
         print("UNCHANGED", config == before)
+        # the caller's process is left as it was: quiet=True silenced elastrun for good once
+        print("LEFT ALONE", logging.getLogger("elastrun").level == level, "TORCH_CPP_LOG_LEVEL" in os.environ)
     """)
     assert proc.returncode == 0, proc.stderr
     assert "UNCHANGED True" in proc.stdout, proc.stdout
+    assert "LEFT ALONE True False" in proc.stdout, proc.stdout
     assert ("RESULT [(0, {'rank': 0, 'sum': 10.0, 'world': 2}), (1, {'rank': 1, 'sum': 10.0, 'world': 2})]"
             in proc.stdout), proc.stdout + proc.stderr
 
