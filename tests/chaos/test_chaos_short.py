@@ -105,7 +105,7 @@ def test_faults_beyond_the_budget_fail_with_a_summary(tmp_path, monkeypatch):
     """More failures than --max-restarts: the job stops and the result says why (no hang, nothing
     left), and the run's evidence is kept where the summary says."""
     monkeypatch.setenv(EVIDENCE_ENV, str(tmp_path))
-    result = run_job(JobSpec(backend="c10d", seed=5, faults=3, kinds=("worker_kill",), max_restarts=1))
+    result = run_job(JobSpec(backend="c10d", seed=5, faults=3, kinds=("worker_kill",), max_restarts=1, nodes=2))
     assert not result.ok
     finished = next(c for c in result.checks if c.name == "job finished")
     assert not finished.ok and "restart budget (--max-restarts=1) is spent" in finished.detail, result.summary()
@@ -122,7 +122,7 @@ def test_a_stall_is_a_violation_and_its_stacks_are_taken_before_anything_is_kill
     and keeps the work directory."""
     monkeypatch.setenv(EVIDENCE_ENV, str(tmp_path))
     result = run_job(JobSpec(backend="c10d", seed=1, faults=1, kinds=("worker_hang",), stall_after=1.5,
-                             hang_timeout=5.0))
+                             hang_timeout=5.0, nodes=2))
     stall = next(c for c in result.checks if c.name == "steps again after every fault (no stall)")
     assert not stall.ok and "stall: no committed step for" in stall.detail, result.summary()
     assert result.evidence is not None, result.summary()
