@@ -64,10 +64,14 @@ def test_crashes_at_random_points_end_bit_for_bit_equal(work, procs):
         for rank in (0, 1):
             r = got[(attempt, rank)]
             assert r["source"] == "memory", (seed, crashes, r)
-            # "after": every rank committed ``step``, none of it is lost.  "before" / "copy": the
-            # step never completed (or its snapshot copy was torn), the one before is used.
-            expected = step if kind == "after" else step - 1
-            assert r["step"] == expected, (seed, crashes, attempt, r)
+            # "after": every rank committed ``step`` and flushed it, none of it is lost.  "copy": the
+            # snapshot copy of ``step`` was torn, the one before is used (published by commit(step)'s
+            # start).  "before" (after ``step``'s optimizer.step(), before its commit): ``step`` never
+            # completed; the one before is used when the helper thread published it in time, else the
+            # one before that, which commit(step - 1) waited for (the chaos harness's "no committed step
+            # lost" holds a step to the same rule: docs/train.md).
+            allowed = {"after": {step}, "copy": {step - 1}, "before": {step - 1, step - 2}}[kind]
+            assert r["step"] in allowed, (seed, crashes, attempt, r)
     assert final(crashed) == final(clean), f"seed {seed}, crashes {crashes}: parameters differ"
     assert_exactly_once(crashed, SAMPLES, EPOCHS)
 
