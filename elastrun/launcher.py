@@ -137,7 +137,8 @@ def launch(config: LaunchConfig, entrypoint: Callable[..., Any] | str, *args: An
 
     ``entrypoint`` is a script path (its return values are None) or a function importable by
     module and name, called as ``entrypoint(*args)`` in every worker.  Must be called from the
-    main thread (the agent handles signals).  ``config`` is left as it was (the job runs a copy).
+    main thread (the agent handles signals).  ``config`` is left as it was (the job runs a copy), and so
+    are elastrun's log level and ``TORCH_CPP_LOG_LEVEL`` in the caller's process.
     Raises :class:`UsageError` (a ValueError) for a bad request, before anything starts, and
     :class:`LaunchError` when the job fails.
     """
