@@ -226,11 +226,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     if not config.getoption("--record-durations") or hasattr(config, "workerinput"):
         return
-    merged = _recorded_durations()
-    merged.update({k: round(v, 1) for k, v in _SPENT.items() if v >= 1.0})
-    for k in [k for k, v in _SPENT.items() if v < 1.0]:
-        merged.pop(k, None)
-    DURATIONS_FILE.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
+    merged = {**_recorded_durations(), **{k: round(v, 1) for k, v in _SPENT.items()}}
+    DURATIONS_FILE.write_text(json.dumps({k: v for k, v in sorted(merged.items()) if v >= 1.0}, indent=0) + "\n")
 
 
 @pytest.hookimpl(wrapper=True)
