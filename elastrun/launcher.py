@@ -77,15 +77,19 @@ def check(config: LaunchConfig) -> None:
         raise UsageError(str(exc)) from None
 
 
-def make_starter(config: LaunchConfig, base_env: dict[str, str]):
+def make_starter(config: LaunchConfig, base_env: dict[str, str], own_process: bool = False):
     """The worker starter for ``config.start_method``: the warm pool, or exec (``spawn``, ``--no-python``)."""
     from elastrun.agent.workers.pool import select_starter
 
-    return select_starter(config, base_env=base_env)
+    return select_starter(config, base_env=base_env, own_process=own_process)
 
 
-def run(config: LaunchConfig) -> int:
-    """Run this node's agent for ``config`` until the job ends; returns the process exit code."""
+def run(config: LaunchConfig, own_process: bool = False) -> int:
+    """Run this node's agent for ``config`` until the job ends; returns the process exit code.
+
+    ``own_process``: this is the ``elastrun`` command's process, nobody else's; the warm pool may
+    then fork its template from it (``elastrun.launch()`` runs the agent in a caller's process).
+    """
     base_env = dict(os.environ)
     from elastrun.rendezvous.registry import create_handler
 
@@ -97,11 +101,16 @@ def run(config: LaunchConfig) -> int:
         _log.error(str(exc))
         return 2
     params = rendezvous_parameters(config)
-    starter = make_starter(config, base_env)
+    starter = make_starter(config, base_env, own_process)
     starter.prepare()
     # The store client logs every wait timeout at WARNING level; the agent waits with timeouts on
-    # purpose.  Set after the template started, so that workers keep torch's default log level.
+    # purpose.  Set after the template started, so that workers keep torch's default log level
+    # (and read again where the template was forked from this process, which had imported torch).
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if own_process:  # a caller's process (elastrun.launch) keeps the level its torch loaded with
+        from elastrun.agent.workers.template_fork import reread_cpp_log_level
+
+        reread_cpp_log_level()
     try:
         handler = create_handler(params)
     except RendezvousConfigError as exc:
@@ -115,8 +124,9 @@ def run(config: LaunchConfig) -> int:
     except BaseException:
         starter.close()
         raise
-    # torch.distributed now, before this node joins a round (c10d imported it already, for its store;
-    # after the handler, so that a bad token or endpoint is still refused at once): the agent of group
+    # torch.distributed now, before this node joins a round (already imported where the pool forked
+    # its template from this process, or c10d did, for its store; else after the handler, so that a
+    # bad token or endpoint is refused without waiting for the import): the agent of group
     # rank 0 starts the workers' TCPStore inside the round, and importing a CUDA build of torch there
     # holds the GIL for up to ~2 s at a stretch on a busy machine (torch 2.3.1's wheel), which starved
     # the etcd lease and heartbeat threads: peers took the closer for dead and formed a round without it.

@@ -32,8 +32,12 @@ def _run_subcommand(argv: list[str]) -> int:
     return observe_main(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The ``elastrun`` command: parse, then launch; exit status 2 (one line on stderr) on a usage error."""
+def main(argv: list[str] | None = None, own_process: bool = False) -> int:
+    """The ``elastrun`` command: parse, then launch; exit status 2 (one line on stderr) on a usage error.
+
+    ``own_process``: the process is the command's own (:func:`command`), not a Python caller's; see
+    :func:`elastrun.launcher.run`.
+    """
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] in SUBCOMMANDS:
         code = _run_subcommand(args)
@@ -50,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from elastrun.launcher import run
 
-    return run(config)
+    return run(config, own_process=own_process)
 
 
 def command() -> NoReturn:
@@ -61,7 +65,7 @@ def command() -> NoReturn:
     job and does nothing the agent needs.  :func:`main` itself returns, for callers in Python.
     """
     try:
-        code = main()
+        code = main(own_process=True)
     except BrokenPipeError:
         end_on_closed_pipe()
     leave(code)

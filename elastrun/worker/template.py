@@ -1,7 +1,8 @@
 """The warm pool's template process: imports torch once, then forks ready-to-run workers.
 
-Started by :class:`elastrun.agent.workers.pool.PoolStarter` as
-``python -c <bootstrap> AGENT_PID SOCKET_FD PRELOAD`` before the rendezvous, so that its
+Started by :class:`elastrun.agent.workers.pool.PoolStarter` before the rendezvous, forked from the
+``elastrun`` command's agent once it imported torch (:mod:`elastrun.agent.workers.template_fork`) or
+as ``python -c <bootstrap> AGENT_PID SOCKET_FD PRELOAD``, so that its
 imports (torch, ``torch._dynamo``, the DDP path, ``torch.distributed`` and the user's
 ``--preload`` modules: 5 to 7 s on two cores) overlap the round instead of delaying every
 worker of every attempt.
@@ -340,6 +341,7 @@ def _become_worker(sock: socket.socket, request: dict, fds: list[int], agent_pid
 
 def main(argv: list[str]) -> None:
     """Entry point of the template process (see the module docstring)."""
+    _reset_signals()  # a template forked from the agent would keep the agent's handlers
     agent_pid, sock_fd = int(argv[0]), int(argv[1])
     preload = [name for name in argv[2].split(",") if name] if len(argv) > 2 else []
     job = serve(agent_pid, sock_fd, preload)

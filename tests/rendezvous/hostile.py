@@ -30,18 +30,24 @@ class TokenJob:
     steps_dir: Path
     log_dir: Path
     env: dict[str, str]
+    #: While this file exists the job holds its last step (tests/scripts/steps.py): its checks never
+    #: race the job's end.  :func:`assert_job_undisturbed` removes it.
+    hold_file: Path
 
 
 def token_job(tmp_path: Path, token: str, steps: int) -> TokenJob:
-    """A private token file, a steps log directory and an environment without ``ELASTRUN_JOB_TOKEN``."""
+    """A private token file, a steps log directory and an environment without ``ELASTRUN_JOB_TOKEN``;
+    the job holds its last step until :func:`assert_job_undisturbed`."""
     token_file = tmp_path / "job.token"
     token_file.write_text(token)
     token_file.chmod(0o600)
     steps_dir, log_dir = tmp_path / "steps", tmp_path / "logs"
     steps_dir.mkdir()
-    env = base_env(STEPS_LOG=str(steps_dir), STEPS=str(steps), STEP_SECONDS="0.05")
+    hold_file = tmp_path / "hold"
+    hold_file.touch()
+    env = base_env(STEPS_LOG=str(steps_dir), STEPS=str(steps), STEP_SECONDS="0.05", HOLD_FILE=str(hold_file))
     env.pop(TOKEN_ENV, None)
-    return TokenJob(token_file, steps_dir, log_dir, env)
+    return TokenJob(token_file, steps_dir, log_dir, env, hold_file)
 
 
 class Forger:
@@ -128,6 +134,7 @@ class Forger:
 def assert_job_undisturbed(nodes: list, job: TokenJob, steps: int, attacked_at: float) -> list[dict]:
     """The nodes exit 0 having run every step once per rank, in one world of 2, in generation 0,
     past the attack, with no restart, loss or failure; returns the agents' events."""
+    job.hold_file.unlink()  # the job runs its last step now, after everything the test checked
     for node in nodes:
         assert node.wait(120) == 0, node.output()
     ran = read_steps(job.steps_dir)

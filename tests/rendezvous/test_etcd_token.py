@@ -22,7 +22,7 @@ pytestmark = [
 ]
 
 TOKEN = "0f1e2d3c4b5a69788796a5b4c3d2e1f00112233445566778"
-STEPS = 120
+STEPS = 40
 
 
 def test_etcd_job_with_a_token_rejects_other_tokens_and_ignores_forged_values(agents, tmp_path):

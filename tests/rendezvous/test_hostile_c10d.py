@@ -16,7 +16,7 @@ from tests.rendezvous.hostile import Forger, assert_job_undisturbed, token_job
 pytestmark = pytest.mark.e2e
 
 TOKEN = "9b8a7c6d5e4f30112233445566778899aabbccddeeff0011"
-STEPS = 120
+STEPS = 40
 
 
 def test_forged_joins_results_aborts_deaths_and_heartbeats_are_not_acted_on(agents, tmp_path):

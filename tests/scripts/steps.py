@@ -4,7 +4,8 @@ Every rank appends ``step <n> rank <r> world <w> gen <g> t <time>`` lines to $ST
 file per rank).  Options (environment): STEPS (total steps, default 1000), STEP_SECONDS (sleep
 per step), CRASH_AT_STEP + CRASH_RANK (exit 1 there, once per $CRASH_ONCE_FILE), CRASH_FILE + CRASH_RANK
 (exit 1 at the first step after that file appears, once per $CRASH_ONCE_FILE), CKPT (a path: rank 0 saves
-{"step": n} after each step, every rank resumes from it).
+{"step": n} after each step, every rank resumes from it), HOLD_FILE (a path: the last step waits, up to
+300 s, while that file exists, so that a test's checks run while the job is still up).
 """
 
 import json
@@ -36,7 +37,12 @@ def main() -> None:
     crash_rank = int(os.environ.get("CRASH_RANK", "0"))
     once = os.environ.get("CRASH_ONCE_FILE")
     crash_file = os.environ.get("CRASH_FILE")
+    hold = os.environ.get("HOLD_FILE")
     for step in range(start, steps):
+        if hold and step == steps - 1:
+            deadline = time.monotonic() + 300
+            while os.path.exists(hold) and time.monotonic() < deadline:
+                time.sleep(0.05)
         due = step == crash_at or bool(crash_file and os.path.exists(crash_file))
         if due and rank == crash_rank and not (once and os.path.exists(once)):
             if once:

@@ -37,6 +37,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from elastrun.agent.workers import template_fork
 from elastrun.agent.workers.spawn import ChildHandle, ExecStarter, StreamSet
 from elastrun.agent.workers.starter import WorkerHandle, WorkerLaunch, WorkerStarter
 from elastrun.config import LaunchConfig
@@ -116,12 +117,15 @@ class PoolStarter(WorkerStarter):
 
     name = "fork-pool"
 
-    def __init__(self, config: LaunchConfig, base_env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, config: LaunchConfig, base_env: Mapping[str, str] | None = None,
+                 own_process: bool = False) -> None:
         self.config = config
+        #: Whether this process is the ``elastrun`` command's own, so the template may be forked from it.
+        self.own_process = own_process
         self.template_env = template_environment(base_env if base_env is not None else os.environ,
                                                  config.nproc_per_node)
         self._exec = ExecStarter()
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | template_fork.ForkedProcess | None = None
         self._sock: socket.socket | None = None
         self._ready = False
         self._broken: str | None = None
@@ -131,7 +135,12 @@ class PoolStarter(WorkerStarter):
 
     # ------------------------------------------------------------------ life cycle
     def prepare(self) -> None:
-        """Become a child subreaper and start the template (its imports run in the background)."""
+        """Become a child subreaper and start the template (its imports run in the background).
+
+        In the ``elastrun`` command's own process the template is forked from it after it imported
+        torch (:mod:`elastrun.agent.workers.template_fork`: one torch import per node, not two);
+        elsewhere it is exec'd.
+        """
         if self._proc is not None or self._broken is not None:
             return
         try:
@@ -141,6 +150,19 @@ class PoolStarter(WorkerStarter):
         except OSError as exc:
             self._give_up(f"cannot set up the template ({exc})")
             return
+        reason = template_fork.why_not(self.own_process)
+        if reason is None:
+            try:
+                self._proc = template_fork.start(self.template_env, theirs.fileno(), self.config.preload)
+                if self._proc is None:
+                    reason = "importing torch started threads in the agent"
+            except OSError as exc:
+                reason = f"fork failed ({exc})"
+        if self._proc is not None:
+            theirs.close()
+            self._sock = ours
+            return
+        log.get("pool").debug(f"warm pool: template exec'd, not forked from the agent: {reason}")
         root = str(Path(__file__).resolve().parents[3])
         try:
             self._proc = subprocess.Popen(
@@ -293,13 +315,15 @@ def _stdin_fd() -> tuple[int, bool]:
         return os.open(os.devnull, os.O_RDONLY), True
 
 
-def select_starter(config: LaunchConfig, base_env: Mapping[str, str] | None = None) -> WorkerStarter:
+def select_starter(config: LaunchConfig, base_env: Mapping[str, str] | None = None,
+                   own_process: bool = False) -> WorkerStarter:
     """The starter for ``config``: the warm pool unless ``--start-method spawn`` or ``--no-python``.
 
-    ``base_env`` is the environment the workers are built from (default: ``os.environ``).
+    ``base_env`` is the environment the workers are built from (default: ``os.environ``);
+    ``own_process``: this is the ``elastrun`` command's process (see :class:`PoolStarter`).
     """
     if config.no_python or config.start_method not in POOL_METHODS:
         return ExecStarter()
     if not sys.platform.startswith("linux"):
         return ExecStarter()
-    return PoolStarter(config, base_env)
+    return PoolStarter(config, base_env, own_process)
