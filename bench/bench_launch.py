@@ -3,12 +3,15 @@
 One ``--standalone`` run per launcher, worker count and repeat.  From the workload's log:
 the time from starting the launcher to the moment every rank has stepped; the median step
 interval of rank 0 after warm-up (the workload does no sleeping here, so any per-step cost of
-the launcher would show); and, once every rank is stepping, the RSS of the agent and the RSS
-and PSS of each worker (PSS charges shared pages pro rata: forked workers share torch's).
+the launcher would show); once every rank is stepping, the RSS of the agent and the RSS and PSS
+of each worker (PSS charges shared pages pro rata: forked workers share torch's); and the CPU
+seconds of the whole run (launcher, template, workers and their 1,500 steps: every process of the
+job is reaped inside the launcher's tree, so the bench's own children's rusage counts them all).
 """
 
 from __future__ import annotations
 
+import resource
 import statistics
 import subprocess
 import time
@@ -25,10 +28,16 @@ def _mb(value: float) -> float:
     return value / 2**20
 
 
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def one_run(which: str, nproc: int) -> dict:
     trial = Trial(f"launch-{which}-{nproc}", env={"STEPS": str(STEPS), "STEP_SECONDS": "0"})
     try:
         t0 = time.time()
+        cpu0 = _children_cpu()
         agent = trial.start(launcher_argv(which, ["--standalone", f"--nproc-per-node={nproc}"]))
         first = wait_for(lambda: trial.all_ranks_stepped(nproc), 120)
         result: dict = {"first_step": None if first is None else first - t0}
@@ -51,6 +60,7 @@ def one_run(which: str, nproc: int) -> dict:
                 result["template_pss"] = _mb(others[0].memory_full_info().pss)
         try:
             agent.wait(90)
+            result["cpu"] = _children_cpu() - cpu0
         except subprocess.TimeoutExpired:
             result["hung_at_exit"] = True
             log(f"{which} {nproc} workers: the job did not end within 90 s of its last step; killed")
@@ -68,6 +78,7 @@ def run(repeat: int) -> tuple[list[Row], list[str]]:
     rows: list[Row] = []
     notes: list[str] = []
     steady: dict[str, list] = {w: [] for w in LAUNCHERS}
+    cpu: dict[int, dict[str, list]] = {n: {w: [] for w in LAUNCHERS} for n in (2, 4)}
     memory: dict[str, list[dict]] = {w: [] for w in LAUNCHERS}
     hung: dict[str, int] = {w: 0 for w in LAUNCHERS}
     for nproc in (2, 4):
@@ -77,12 +88,16 @@ def run(repeat: int) -> tuple[list[Row], list[str]]:
                 res = one_run(which, nproc)
                 log(f"cold launch {which} nproc={nproc} #{i}: {res}")
                 firsts[which].append(res["first_step"])
+                cpu[nproc][which].append(res.get("cpu"))
                 hung[which] += bool(res.get("hung_at_exit"))
                 if nproc == 2:
                     steady[which].append(res.get("step"))
                     memory[which].append(res)
         rows.append(Row(f"cold launch → first step of all ranks, {nproc} workers", firsts["torchrun"],
                         firsts["elastrun"], goal="≤ 0.70" if nproc == 4 else ""))
+    for nproc in (2, 4):
+        rows.append(Row(f"CPU of the whole run, {nproc} workers (start-up and 1,500 steps each)",
+                        cpu[nproc]["torchrun"], cpu[nproc]["elastrun"], unit="CPU-s"))
     rows.append(Row("steady-state step time (median, 2 workers)", steady["torchrun"], steady["elastrun"],
                     unit="ms", goal="≈ 1.00"))
     for key, label in (("agent_rss", "agent RSS"), ("worker_rss", "per-worker RSS"),

@@ -180,7 +180,7 @@ class Row:
 
     def cells(self) -> list[str]:
         t, e = median(self.torchrun), median(self.elastrun)
-        digits = 2 if self.unit == "s" else (0 if self.unit == "MB" else 1 if self.unit == "%" else 3)
+        digits = 2 if self.unit in ("s", "CPU-s") else (0 if self.unit == "MB" else 1 if self.unit == "%" else 3)
         return [self.metric, fmt(t, self.unit, digits), fmt(e, self.unit, digits), ratio(e, t), self.goal,
                 f"{sum(v is not None for v in self.torchrun)}/{len(self.torchrun)}, "
                 f"{sum(v is not None for v in self.elastrun)}/{len(self.elastrun)}"
