@@ -29,6 +29,14 @@ at nice :data:`LATE_NICE`: the kernel's fair scheduler gives it all of a core no
 and, against one busy thread at nice 0, about 5 % of a contended core (weight 56 against 1024):
 the issue's budget for the copies' cost to a step.  Two threads, not one raised: an unprivileged
 thread can lower its priority but never raise it again.
+
+**Low-priority threads live only while they copy.**  Each copy gets its own threads, which end
+with it; the dispatcher that waits for requests runs at normal priority.  A process's end waits
+for every one of its threads to run its exit, and the last one out tears the address space down
+before the kernel closes the process's descriptors: an agent that kept an idle-priority thread
+parked took 10-13 s to die of a SIGKILL on a busy host (30 ms on an idle one), its sockets open all
+that time, so its peers' liveness links could not see it gone, and every agent's own exit waited
+as long (measured 2026-11-27, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -70,6 +78,8 @@ TAKE_OVER = True
 #: Bytes sent between two looks at whether the copy changed hands (a late copy waits at most for
 #: one piece still held by the idle thread).
 PIECE = 1 << 20
+#: Seconds between the dispatcher's looks at ``close()`` while a late copy runs.
+POLL_STOP = 0.5
 #: Seconds to connect to a target, and to wait on one during a copy.
 CONNECT_TIMEOUT = 5.0
 IO_TIMEOUT = 60.0
@@ -112,13 +122,11 @@ class Replicator:
         self._conns: dict[str, socket.socket] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()
-        # The dispatcher (nice LATE_NICE): finds requests, hands them to the idle thread, takes a late
-        # one over.  The idle thread (SCHED_IDLE): does the copies while they keep pace.
+        # The dispatcher (normal priority, mostly waiting): finds requests and starts each copy on a
+        # thread of its own at SCHED_IDLE, then, when it is late, a second one at LATE_NICE.
         self._thread = threading.Thread(target=self._loop, name="elastrun-replicator", daemon=True)
-        self._idle_thread = threading.Thread(target=self._idle_loop, name="elastrun-replicator-idle", daemon=True)
+        self._copiers: list[threading.Thread] = []  # this copy's threads (the dispatcher's only)
         self._turn = threading.Lock()  # held by the thread advancing the copy in progress
-        self._cond = threading.Condition()
-        self._handed: _Job | None = None  # a job for the idle thread, not yet taken
         self._watch: Watch | None = None
         self._warned: set[str] = set()
         #: Copies made and bytes sent, copies taken over late, for benchmarks and the report.
@@ -126,31 +134,31 @@ class Replicator:
 
     def start(self) -> None:
         self._watch = Watch(self.dir, _PUSH_NAME, self._wake)
-        self._idle_thread.start()
         self._thread.start()
 
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
-        with self._cond:
-            self._cond.notify_all()
         for conn in list(self._conns.values()):
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for t in (self._thread, self._idle_thread):
-            if t.is_alive():
-                t.join(10)
+        if self._thread.is_alive():
+            self._thread.join(10)
+        # A copy's thread at idle priority may not run for a while on a busy host; it is a daemon, and
+        # its copy is abandoned (the receiver keeps its last complete replica).
+        deadline = time.monotonic() + 1.0
+        for t in list(self._copiers):
+            t.join(max(0.0, deadline - time.monotonic()))
         if self._watch is not None:
             self._watch.close()
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
 
-    # -- the two threads -------------------------------------------------------------------------
+    # -- the dispatcher and each copy's threads -----------------------------------------------------
     def _loop(self) -> None:
-        set_late()
         while not self._stop.is_set():
             self._wake.clear()
             for path in pending_pushes(self.dir):
@@ -160,31 +168,33 @@ class Replicator:
             self._wake.wait(self._watch.timeout if self._watch is not None else POLL)
 
     def _dispatch(self, path: Path) -> None:
-        """Serve one request: on the idle thread while it keeps pace, on this one once it is late."""
+        """Serve one request: on an idle-priority thread while it keeps pace, then on a late one too."""
         job = _Job(self, path)
-        with self._cond:
-            self._handed = job
-            self._cond.notify_all()
-        while not job.finished.wait(max(0.0, job.began + job.grace - time.monotonic())):
-            if self._stop.is_set():
+        self._copiers = [t for t in self._copiers if t.is_alive()]
+        self._start_copier(job, late=False)
+        while True:
+            late_at = job.began + job.grace
+            timeout = max(0.0, late_at - time.monotonic()) if TAKE_OVER and not job.late else POLL_STOP
+            if job.finished.wait(timeout) or self._stop.is_set():
                 return
-            if TAKE_OVER and time.monotonic() >= job.began + job.grace:
+            if TAKE_OVER and not job.late and time.monotonic() >= late_at:
                 job.late = True
                 self.stats["late"] += 1
-                self._advance(job, late=True)
-        with self._cond:
-            if self._handed is job:
-                self._handed = None
+                self._start_copier(job, late=True)
 
-    def _idle_loop(self) -> None:
-        set_idle()
-        while not self._stop.is_set():
-            with self._cond:
-                while self._handed is None and not self._stop.is_set():
-                    self._cond.wait()
-                job, self._handed = self._handed, None
-            if job is not None:
-                self._advance(job, late=False)
+    def _start_copier(self, job: _Job, late: bool) -> None:
+        thread = threading.Thread(target=self._copy, args=(job, late), daemon=True,
+                                  name=f"elastrun-replicator-{'late' if late else 'idle'}")
+        self._copiers.append(thread)
+        thread.start()
+
+    def _copy(self, job: _Job, late: bool) -> None:
+        """A copy's thread: lower its own priority (for good: it ends with the copy), then advance it."""
+        if late:
+            set_late()
+        else:
+            set_idle()
+        self._advance(job, late=late)
 
     def _advance(self, job: _Job, late: bool) -> None:
         """Run ``job`` a piece at a time until it is done or, on the idle thread, taken over."""

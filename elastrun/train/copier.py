@@ -24,9 +24,9 @@ step leaves a core idle long enough.  Usage::
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
-import queue
 import threading
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
@@ -64,37 +64,50 @@ def set_policy(tid: int, policy_name: str) -> None:
 
 
 class _IdleWorker:
-    """The process's one idle-priority thread, started on first use (again in a forked child)."""
+    """The process's idle-priority helper: a thread started when a copy is given, which ends as soon as
+    no copy waits.
+
+    A thread at idle priority must not outlive its work: a process ends only when each of its threads
+    has run its exit, and a parked idle-priority thread gets no CPU on a busy host, so a killed worker
+    (and its sockets, which its peers wait on) stayed around for seconds (the agent's replicator had
+    the same flaw: 10-13 s, :mod:`elastrun.agent.replicator`).
+    """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[SnapshotCopy] = queue.SimpleQueue()
+        self._jobs: collections.deque[SnapshotCopy] = collections.deque()
+        self._running = False
         self._pid = 0
         self._lock = threading.Lock()
-        self._tid = 0  # the helper's kernel thread id, once it runs
+        self._tid = 0  # the helper's kernel thread id, while it runs
 
     def give(self, copy: SnapshotCopy) -> None:
         with self._lock:
-            if self._pid != os.getpid():
-                self._pid = os.getpid()
-                self._queue = queue.SimpleQueue()
-                serve = threading.Thread(target=self._serve, args=(self._queue,), name="elastrun-idle-copy")
-                serve.daemon = True
-                serve.start()
-            self._queue.put(copy)
+            if self._pid != os.getpid():  # a forked child: the parent's helper is not here
+                self._pid, self._jobs, self._running, self._tid = os.getpid(), collections.deque(), False, 0
+            self._jobs.append(copy)
+            if self._running:
+                return
+            self._running = True
+        threading.Thread(target=self._serve, name="elastrun-idle-copy", daemon=True).start()
 
-    def _serve(self, jobs: queue.SimpleQueue[SnapshotCopy]) -> None:
+    def _serve(self) -> None:
         self._tid = threading.get_native_id()
         while True:
-            job = jobs.get()
-            set_policy(0, "SCHED_IDLE")  # again: a wait may have raised it (see boost)
+            with self._lock:
+                if not self._jobs:
+                    self._running, self._tid = False, 0
+                    return
+                job = self._jobs.popleft()
+            set_policy(0, "SCHED_IDLE")  # again for each job: a wait may have raised it (see boost)
             job._work()
 
     def boost(self) -> None:
         """Let the helper run at normal priority until its next job: the training thread waits for
         a chunk the helper holds, and on a loaded machine an idle-priority thread can wait seconds
         for a core (a priority inversion that would stall ``commit()`` and a re-form's pause)."""
-        if self._tid and self._pid == os.getpid():
-            set_policy(self._tid, "SCHED_OTHER")
+        tid = self._tid
+        if tid and self._pid == os.getpid():
+            set_policy(tid, "SCHED_OTHER")
 
 
 _IDLE_WORKER = _IdleWorker()

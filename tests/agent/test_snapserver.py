@@ -216,3 +216,36 @@ def test_a_running_replicator_finds_requests_as_they_are_written_and_takes_over_
         mem2.close()
     finally:
         rep.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_no_low_priority_thread_outlives_its_copy(servers):
+    """A process ends only when each of its threads has run its exit: an idle-priority thread parked in
+    the agent kept a SIGKILLed agent, and its sockets, alive for 10 s on a busy host.  So the dispatcher
+    runs at normal priority and a copy's idle and late threads end with the copy."""
+    a, b = servers("a"), servers("b")
+    rep = Replicator(a.dir, KEY, "node-a", warn=pytest.fail)
+    rep.start()
+    try:
+        mem, slot, crc, _ = publish(a.dir, 0, 1, 3 * BLOCK)
+        nbytes = mem.scan()[0].header["nbytes"]
+        with rep._turn:  # the idle thread waits for the turn: the copy is late, a late thread joins it
+            PushRequest("shard", 0, mem.name(slot), 1, 2, nbytes, crc, [b.address], interval=0.2).write(a.dir)
+            deadline = time.monotonic() + 30
+            while len(rep._copiers) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            idle = next(t for t in rep._copiers if t.name == "elastrun-replicator-idle")
+            while os.sched_getscheduler(idle.native_id) != os.SCHED_IDLE and time.monotonic() < deadline:
+                time.sleep(0.01)  # it lowers its own priority first thing, once it runs
+            assert os.sched_getscheduler(idle.native_id) == os.SCHED_IDLE
+        status = wait_status(a.dir, 0, 1, 30)
+        assert status is not None and status.ok and status.late, status
+        for t in rep._copiers:
+            t.join(30)
+        assert not [t.name for t in rep._copiers if t.is_alive()]
+        dispatcher = rep._thread.native_id
+        assert os.sched_getscheduler(dispatcher) == os.SCHED_OTHER
+        assert os.getpriority(os.PRIO_PROCESS, dispatcher) == os.getpriority(os.PRIO_PROCESS, 0)
+        mem.close()
+    finally:
+        rep.close()

@@ -55,3 +55,18 @@ def test_a_pause_puts_the_idle_priority_helpers_back_at_normal_priority(tmp_path
     finally:
         reserving.release.set()
         copying.release.set()
+
+
+def test_the_idle_copy_helper_ends_with_its_last_copy():
+    """A process ends only when each of its threads has run its exit: an idle-priority helper parked
+    between copies kept a killed worker, and the sockets its peers wait on, alive on a busy host."""
+    jobs = [_BlockedJob() for _ in range(3)]
+    for job in jobs:
+        job.release.set()
+        copier._IDLE_WORKER.give(job)  # one helper takes them in turn
+    assert all(job.running.wait(10) for job in jobs)
+    deadline = time.monotonic() + 10
+    while any(t.name == "elastrun-idle-copy" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t.name for t in threading.enumerate() if t.name == "elastrun-idle-copy"]
+    assert copier._IDLE_WORKER._tid == 0
