@@ -212,6 +212,8 @@ def test_node_loss_and_join_keep_the_survivor_process(work, procs):
     try:
         a = procs.start(elastic(out, port, run_id, args), work / "a.log")
         wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
+        # A's first round, alone, is one of the four attempts its process must run: B joins after it
+        wait_for(lambda: any(v["world_size"] == 1 for v in restores(out).values()), 60, "A training alone")
         b = procs.start(elastic(out, port, run_id, args), work / "b.log")
         wait_for(lambda: any(v["world_size"] == 2 for v in restores(out).values()), 60, "world 2")
         grown = max(k[0] for k, v in restores(out).items() if v["world_size"] == 2)
