@@ -68,9 +68,9 @@ class _IdleWorker:
     no copy waits.
 
     A thread at idle priority must not outlive its work: a process ends only when each of its threads
-    has run its exit, and a parked idle-priority thread gets no CPU on a busy host, so a killed worker
-    (and its sockets, which its peers wait on) stayed around for seconds (the agent's replicator had
-    the same flaw: 10-13 s, :mod:`elastrun.agent.replicator`).
+    has run its exit, and a parked idle-priority thread may get no CPU on a busy host, holding up the
+    end of a killed process and the closing of the sockets its peers wait on (measured in the agent,
+    whose replicator parked one: 10-13 s, :mod:`elastrun.agent.replicator`).
     """
 
     def __init__(self) -> None:
