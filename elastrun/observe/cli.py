@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 _TIMELINE_EXTRA = "pip install 'elastrun[timeline]'"
 _ENV = {"backend": "PET_RDZV_BACKEND", "endpoint": "PET_RDZV_ENDPOINT", "id": "PET_RDZV_ID", "conf": "PET_RDZV_CONF"}
@@ -64,7 +65,8 @@ def _timeline_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     p.add_argument("log_dir", metavar="LOG_DIR", help="directory holding events-*.jsonl (searched recursively)")
-    p.add_argument("-o", "--output", default="timeline.png", help="PNG to write (default timeline.png)")
+    p.add_argument("-o", "--output", default="timeline.png",
+                   help="image to write: .png (default timeline.png), .svg or .pdf; a name without a suffix gets .png")
     p.add_argument("--html", metavar="FILE", help="also write a self-contained interactive HTML page")
     p.add_argument("--json", metavar="FILE", dest="json_out", help="also write the plotted data as JSON")
     return p
@@ -172,9 +174,31 @@ def status_main(argv: list[str]) -> int:
     return 0
 
 
+#: The image formats ``elastrun timeline -o`` writes (matplotlib's Agg canvas writes each).
+_IMAGE_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def _image_path(output: str) -> tuple[str | None, str | None]:
+    """``(path to write, None)`` for a usable ``-o``, or ``(None, the error line)``: checked before anything is
+    read or drawn, so a wrong name costs nothing and writes nothing."""
+    suffix = Path(output).suffix.lower()
+    if not suffix:
+        return output + ".png", None
+    if suffix in (".html", ".htm"):
+        return None, (f"-o {output}: -o writes the image ({', '.join(_IMAGE_SUFFIXES)}); "
+                      f"for the interactive page use --html {output}")
+    if suffix not in _IMAGE_SUFFIXES:
+        return None, f"-o {output}: cannot draw a {suffix} file; use one of {', '.join(_IMAGE_SUFFIXES)}"
+    return output, None
+
+
 def timeline_main(argv: list[str]) -> int:
-    """``elastrun timeline LOG_DIR -o PNG [--html FILE] [--json FILE]``; returns the exit code."""
+    """``elastrun timeline LOG_DIR -o IMAGE [--html FILE] [--json FILE]``; returns the exit code."""
     args = _timeline_parser().parse_args(argv)
+    image, error = _image_path(args.output)
+    if error is not None:
+        print(f"elastrun timeline: error: {error}", file=sys.stderr)
+        return 2
     if importlib.util.find_spec("matplotlib") is None:
         print(f"elastrun timeline: error: drawing the timeline needs matplotlib, which is not installed; "
               f"install it with: {_TIMELINE_EXTRA}", file=sys.stderr)
@@ -187,7 +211,7 @@ def timeline_main(argv: list[str]) -> int:
         print(f"elastrun timeline: {exc}", file=sys.stderr)
         return 1
     try:
-        written = [render_png(model, args.output)]
+        written = [render_png(model, image)]
         if args.html:
             from elastrun.observe.timeline_html import render_html
 

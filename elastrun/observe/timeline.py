@@ -317,7 +317,7 @@ def load_timeline(log_dir: str | Path) -> Timeline:
 
 
 def render_png(model: Timeline, path: str | Path, dpi: int = 120) -> Path:
-    """Draw ``model`` into a PNG at ``path`` and return the path."""
+    """Draw ``model`` into an image at ``path`` (PNG, SVG or PDF, by its suffix) and return the path."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
