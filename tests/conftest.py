@@ -1,5 +1,5 @@
-"""Shared fixtures (a per-test cluster of real agents that is always cleaned up), the two phases of
-tools/test.sh, and the test tiers.
+"""Shared fixtures (a per-test cluster of real agents that is always cleaned up), how tools/test.sh hands
+tests out to its xdist workers, and the test tiers.
 
 Every test carries one tier mark (docs/testing.md): ``unit`` (in-process, no child process),
 ``contract`` (a contract checked in-process: the rendezvous backends' conformance suite, groups of
@@ -76,11 +76,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--tests-phase", choices=("all", "concurrent", "serial"), default="all",
-        help="tools/test.sh runs the suite in two phases: 'concurrent' (every test not marked serial, on "
-             "several xdist workers), then 'serial' (the tests marked serial, one at a time, alone); "
-             "default: all tests")
     parser.addoption(
         "--record-durations", action="store_true",
         help="write each test's duration (1 s or more) into tests/durations.json, which orders the tests "
@@ -161,8 +156,7 @@ def pytest_runtest_call(item: pytest.Item):
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep the tests of the phase (``--tests-phase``) and tiers (``--tier``) asked for; a serial mark
-    must say why, and every test must have a tier."""
+    """Keep the tests of the tiers asked for (``--tier``); every test must have a tier."""
     untiered = [item.nodeid for item in items if tier_of(item) is None]
     if untiered:
         raise pytest.UsageError(f"{len(untiered)} test(s) without a tier mark ({', '.join(TIERS)}; see "
@@ -170,16 +164,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tiers = {t.strip() for t in config.getoption("--tier").split(",") if t.strip()}
     if not tiers or tiers - set(TIERS):
         raise pytest.UsageError(f"--tier takes tiers among {', '.join(TIERS)}, got {config.getoption('--tier')!r}")
-    for item in items:
-        mark = item.get_closest_marker("serial")
-        if mark is not None and not (mark.args and isinstance(mark.args[0], str) and mark.args[0].strip()):
-            raise pytest.UsageError(f"{item.nodeid}: pytest.mark.serial needs its reason: serial('why')")
-    phase = config.getoption("--tests-phase")
     keep: list[pytest.Item] = []
     dropped: list[pytest.Item] = []
     for item in items:
-        in_phase = phase == "all" or (item.get_closest_marker("serial") is not None) == (phase == "serial")
-        (keep if in_phase and tier_of(item) in tiers else dropped).append(item)
+        (keep if tier_of(item) in tiers else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep

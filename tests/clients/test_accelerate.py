@@ -3,6 +3,7 @@ a worker's SIGKILL (``--max-restarts=1``), resuming from its own ``save_state`` 
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -11,9 +12,11 @@ import pytest
 from tests.clients.harness import SCRIPTS, failures, kill_worker, wait_output
 from tests.harness import Cluster
 
-pytestmark = pytest.mark.e2e
-
-pytest.importorskip("accelerate", reason="Hugging Face Accelerate is not installed (the dev extra has it)")
+# find_spec, not importorskip: the script imports Accelerate in its workers, and importing it here would cost
+# every pytest process that collects this file a second.
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None,
+    reason="Hugging Face Accelerate is not installed (the dev extra has it)")]
 
 SCRIPT = SCRIPTS / "accelerate_train.py"
 EPOCHS = 6

@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 
+from elastrun import cli, errors
 from tests.deploy.podenv import FAKE_POD_FIELDS, K8S_DIR, REPO, find, launch, load_docs
 
 pytestmark = pytest.mark.unit
 
-cli = pytest.importorskip("elastrun.cli", reason="elastrun.cli is not in the tree yet")
-errors = pytest.importorskip("elastrun.errors", reason="elastrun.errors is not in the tree yet")
 
 EXAMPLE = REPO / "examples" / "train_imagenet_style.py"
 ETCD_MEMBERS = "etcd-0.etcd:2379,etcd-1.etcd:2379,etcd-2.etcd:2379"

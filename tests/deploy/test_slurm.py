@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from elastrun import cli
 from tests.deploy.podenv import REPO
 
 pytestmark = pytest.mark.e2e
@@ -190,9 +191,7 @@ def test_srun_starts_one_agent_per_node_that_survives_the_others(slurm: FakeSlur
 
 @pytest.fixture
 def parse(monkeypatch: pytest.MonkeyPatch):
-    cli = pytest.importorskip("elastrun.cli", reason="elastrun.cli is not in the tree yet")
-    if not EXAMPLE.exists():
-        pytest.skip(f"{EXAMPLE.relative_to(REPO)} is not in the tree yet")
+    assert EXAMPLE.exists(), EXAMPLE
     monkeypatch.chdir(REPO)  # sbatch runs the script from the submit directory, the repository root
     return cli.parse
 

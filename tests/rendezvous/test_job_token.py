@@ -105,9 +105,10 @@ def _flags(port: int, run_id: str, tmp_path, extra: str = "") -> list[str]:
             f"--rdzv-id={run_id}", conf, f"--log-dir={tmp_path / 'logs'}"]
 
 
-#: On 3 xdist workers (load ~7) the status read without a token (3 s store timeout) once timed out connecting to
-#: the host agent's store instead of being refused for its token; not investigated yet (suite-report.md).
-@pytest.mark.serial("a 3 s status read to the host's store timed out once under concurrent tests' load")
+#: The status read without a token has a 3 s store timeout.  It once timed out under load instead of being refused
+#: for its token, and the test ran alone since.  The likeliest cause, found later: the store's thread stalls 5 s
+#: on a dropped reverse-DNS query (docs/testing.md, "Reverse DNS"), which tools/test.sh bounds at 1 s.  It runs
+#: with the others again: 81 of 81 runs passed beside a full suite run (2026-11-27, 2 cores).
 def test_c10d_job_with_a_token_admits_only_nodes_with_that_token(agents, tmp_path):
     steps_dir = tmp_path / "steps"
     steps_dir.mkdir()

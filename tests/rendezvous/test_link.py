@@ -86,13 +86,9 @@ def _linked(watcher: Watcher, port: int) -> None:
 
 #: The verdict "dead" needs the killed peer's listener gone within CONFIRM_TIMEOUT (1 s) of its held connection
 #: closing: else the confirming reconnection is taken by the dying listener, and the link rightly leaves the
-#: verdict to heartbeat silence.  On 2 cores loaded by concurrent tests (load ~30) the stopped-then-killed peer
-#: once went unreported within 10 s (tools/test.sh on 3 workers): these two run alone.
-_ALONE = pytest.mark.serial("the link's verdict on a killed peer needs the peer's teardown within 1 s: not under "
-                            "the load of concurrent tests")
-
-
-@_ALONE
+#: verdict to heartbeat silence.  A connection that the dying listener takes and then resets is tried again
+#: (RETRY_DELAY).  These ran alone while processes could linger after SIGKILL on a loaded host (an idle-priority
+#: thread with no CPU to finish the exit); 81 of 81 runs passed beside a full suite run once none was parked.
 def test_a_killed_peer_is_reported_dead(auths):
     watcher = Watcher(auths[0])
     try:
@@ -104,7 +100,6 @@ def test_a_killed_peer_is_reported_dead(auths):
         watcher.link.close()
 
 
-@_ALONE
 def test_a_stopped_peer_is_not_reported_until_it_dies(auths):
     watcher = Watcher(auths[0])
     try:
