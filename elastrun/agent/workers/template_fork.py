@@ -161,7 +161,9 @@ def _become_template(agent_pid: int, sock_fd: int, preload: list[str], env: dict
         os.environ.clear()
         os.environ.update(env)
         _forget_agent()
-        limit = os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") > 0 else 65536
+        limit = os.sysconf("SC_OPEN_MAX")
+        if limit <= 0:
+            limit = 65536
         os.closerange(3, sock_fd)
         os.closerange(sock_fd + 1, limit)
         template = importlib.import_module(TEMPLATE_MODULE)
