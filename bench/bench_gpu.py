@@ -25,6 +25,7 @@ Every part is bounded; a part that fails is reported and the others go on.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import shutil
@@ -143,23 +144,34 @@ def measure(name: str, mode: str, steps: int, parts: set[str]) -> dict:
                 plain_ms = block(steps, lambda: step(model, opt, x)) * 1e3
                 out["dcp_ms"] = dcp_async(model, opt, x, work / "dcp", every, steps) * 1e3
                 out["dcp_ratio"] = out["dcp_ms"] / plain_ms
-            except Exception as e:  # reported, the rest goes on
+            except Exception as e:  # reported; then async_save's own staging, and the rest goes on
                 out["dcp_error"] = f"{type(e).__name__}: {e}"
+                try:
+                    out["dcp_unstaged_ms"] = dcp_async(model, opt, x, work / "dcp0", every, steps, False) * 1e3
+                    out["dcp_unstaged_ratio"] = out["dcp_unstaged_ms"] / plain_ms
+                except Exception as e:
+                    out["dcp_unstaged_error"] = f"{type(e).__name__}: {e}"
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for k in ("default", "every1", "dcp"):
+    for k in ("default", "every1", "dcp", "dcp_unstaged"):
         if f"{k}_ratio" in out:
             out[f"{k}_overhead_pct"] = (out[f"{k}_ratio"] - 1) * 100
     return out
 
 
-def dcp_async(model, opt, x, where: Path, every: int, steps: int) -> float:
-    """Seconds per step with ``dcp.async_save`` every ``every`` steps (pinned shared-memory staging)."""
+def dcp_async(model, opt, x, where: Path, every: int, steps: int, staged: bool = True) -> float:
+    """Seconds per step with ``dcp.async_save`` every ``every`` steps: staged by a ``DefaultStager``
+    into pinned shared memory (``staged``), or by ``async_save``'s own default staging."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    stager = DefaultStager(StagingOptions(True, True, True, True))
-    pending: dict = {"staging": None, "upload": None}
+    # torch 2.11's async_save closes the stager it is given once the upload is done (the KeyError
+    # "<class 'type'>" of the H200 runs: a closed stager has no copier left); the versions whose
+    # async_save closes only the stagers it made keep theirs, with their pinned storages cached.
+    keeps = "owned_async_stager" in inspect.getsource(dcp.async_save)
+    options = StagingOptions(True, True, True, True)  # pinned, shared memory, async, non-blocking
+    stager = DefaultStager(options) if staged else None
+    pending: dict = {"staging": None, "upload": None, "saves": 0}
 
     def hook(*_):
         if pending["staging"] is not None:
@@ -170,11 +182,15 @@ def dcp_async(model, opt, x, where: Path, every: int, steps: int) -> float:
     count = [0]
 
     def one() -> None:
+        nonlocal stager
         step(model, opt, x)
         count[0] += 1
         if count[0] % every == 0:
             if pending["upload"] is not None:
                 pending["upload"].result()
+            if staged and pending["saves"] and not keeps:
+                stager = DefaultStager(options)
+            pending["saves"] += 1
             tensors = {f"{i}.{k}": v for i, s in enumerate(opt.state.values()) for k, v in s.items()}
             resp = dcp.async_save({"model": dict(model.state_dict()), "optim": tensors},
                                   checkpoint_id=str(where / str(count[0])), async_stager=stager)  # fmt: skip
@@ -192,7 +208,8 @@ def dcp_async(model, opt, x, where: Path, every: int, steps: int) -> float:
         if pending["upload"] is not None:
             pending["upload"].result()
         handle.remove()
-        stager.close()
+        if stager is not None:
+            stager.close()
 
 
 def rates(nbytes: int = 4 << 30) -> dict:
@@ -263,6 +280,15 @@ def crash(model: str, mode: str, timeout: float = 240.0) -> dict:
         out.update(kill_step=kill["step"], every=kill.get("every"), restore_source=restored["source"],
                    restored_step=restored["step"], restore_s=restored["seconds"],
                    crash_to_step_s=first["t"] - kill["t"])  # fmt: skip
+        # Where the time went, from the kill: the script's first line ran (the agent restarted the
+        # group and the worker was forked), main() began (its imports), the process group made, the
+        # model built, restored, the first step done.
+        at = {r["event"]: r for r in after}
+        marks = [("script", at["main"]["began"]), ("main", at["main"]["t"]), ("distributed", at["distributed"]["t"]),
+                 ("built", at["built"]["t"]), ("restored", restored["t"]), ("step", first["t"])]  # fmt: skip
+        out["breakdown_s"] = {name: round(t - kill["t"], 3) for name, t in marks}
+        # The agent's own account of the restart ("workers running again N s after the failure").
+        out["agent"] = [line for line in proc.stderr.splitlines() if "again" in line or "formed" in line][-3:]
     except (OSError, StopIteration, ValueError, KeyError) as e:
         out["error"] = f"{type(e).__name__}: {e}; {proc.stderr[-1500:]}"
     shutil.rmtree(work, ignore_errors=True)
@@ -277,6 +303,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--parts", default="restore,every1,dcp", help="beside the default: restore, every1, dcp")
     p.add_argument("--crash", default="336M:ddp", help="model:mode of the crash measurement ('' to skip)")
+    p.add_argument("--rates", action=argparse.BooleanOptionalAction, default=True, help="the raw copy rates")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": []}
@@ -300,12 +327,13 @@ def main() -> None:
         results["runs"].append(r)
         print(json.dumps(r), flush=True)
         save()
-    try:
-        results["rates"] = rates()
-    except Exception:
-        results["rates"] = {"error": traceback.format_exc()[-2000:]}
-    print(json.dumps(results["rates"]), flush=True)
-    save()
+    if a.rates:
+        try:
+            results["rates"] = rates()
+        except Exception:
+            results["rates"] = {"error": traceback.format_exc()[-2000:]}
+        print(json.dumps(results["rates"]), flush=True)
+        save()
     dist.destroy_process_group()
     if a.crash:
         model, mode = a.crash.split(":")

@@ -1,21 +1,26 @@
 """One worker of ``bench_gpu.py``'s crash measurement: a GPU model under elastrun, ``elastrun.train``
 at its defaults, SIGKILLed once after ``--crash-at`` commits.
 
-Appends JSON lines to ``--log``: ``kill`` (when it killed itself), ``restored`` (source, step, seconds
-in ``restore()``) and ``step`` (the first steps of each worker, once finished on the device).
+Appends JSON lines to ``--log``: ``main`` (when the script's first line ran and when ``main()`` began),
+``distributed`` (the process group made), ``built`` (model, optimizer and batch on the GPU), ``restored``
+(source, step, seconds in ``restore()``), ``step`` (the first steps of each worker, once finished on the
+device) and ``kill`` (when it killed itself).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import signal
-import sys
 import time
-from pathlib import Path
 
-import torch
+BEGAN = time.time()  # the script's first line: what came before it is the launcher's and the fork's
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -37,9 +42,13 @@ def main() -> None:
         with open(a.log, "a") as f:
             f.write(json.dumps({"attempt": attempt, "t": time.time(), **record}) + "\n")
 
+    log(event="main", began=BEGAN)  # the script's first line, then main() (its imports done)
     et.init_distributed()
+    log(event="distributed")
     model, opt = build(a.model, a.mode)
     x = batch(a.model)
+    torch.cuda.synchronize()
+    log(event="built")
     state = et.State(model=model, optimizer=opt, handle_signals=False)
     began = time.perf_counter()
     source = state.restore()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks in one call, for a lent GPU machine (at most 8 minutes on one GPU): the GPU tests
-# (tests/gpu), then the GPU benchmark (bench/bench_gpu.py).  Logs and figures go to $OUT (the device
+# The GPU checks in one call, for a lent GPU machine (at most 8 minutes on one GPU): the GPU benchmark
+# (bench/bench_gpu.py), then the GPU tests (tests/gpu).  Logs and figures go to $OUT (the device
 # tool's folder) or ./gpu-check.  Uses the machine's python3 with its own torch; elastrun from this tree.
 #   bash tools/gpu_check.sh           # everything
 #   bash tools/gpu_check.sh --quick   # the new snapshot tests and one small benchmark run (~3 minutes)
@@ -14,6 +14,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
     df -h /dev/shm | tail -1
+    uname -r
     nproc
 } 2>&1 | tee "$OUT/machine.txt"
 started=$(date +%s)
@@ -22,8 +23,9 @@ if [ "${1:-}" = "--quick" ]; then
     timeout 120 "$PY" bench/bench_gpu.py --pairs 126M:ddp --steps 20 --crash "" --out "$OUT/bench.json" 2>&1 \
         | tee "$OUT/bench.log"
 else
-    timeout 230 "$PY" -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/tests.log"
+    # The figures first: a limit reached in the tests then costs no figure.
     timeout 240 "$PY" bench/bench_gpu.py --pairs 126M:ddp,336M:ddp,126M:fsdp,336M:fsdp --steps 16 --out "$OUT/bench.json" 2>&1 \
         | tee "$OUT/bench.log"
+    timeout 230 "$PY" -m pytest -q -p no:cacheprovider --durations=0 tests/gpu 2>&1 | tee "$OUT/tests.log"
 fi
 echo "gpu_check: $(( $(date +%s) - started )) s" | tee -a "$OUT/machine.txt"
