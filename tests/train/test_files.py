@@ -297,3 +297,28 @@ def test_state_rejects_bad_arguments(tmp_path):
         State(checkpoint_every=5, snapshot_dir=tmp_path, handle_signals=False)
     with pytest.raises(ValueError, match="commit"):
         State(snapshot_dir=tmp_path, handle_signals=False, commit=1)
+
+
+def test_rng_states_round_trip_and_payloads_of_the_tensor_form_still_apply():
+    """A commit's RNG states (generator states kept as raw bytes) bring back the same draws; a
+    payload written before, with the states as tensors, applies too (snapshots and checkpoints
+    of an earlier version)."""
+    import pickle
+    import random
+
+    from elastrun.train import rng
+
+    torch.manual_seed(3)
+    random.seed(4)
+    payload = rng.capture()
+    assert isinstance(pickle.loads(payload)["torch"], bytes)
+    drawn = (torch.rand(4), random.random())
+    torch.manual_seed(9)
+    random.seed(9)
+    rng.apply(payload)
+    assert torch.equal(torch.rand(4), drawn[0]) and random.random() == drawn[1]
+
+    earlier = pickle.dumps({"torch": torch.get_rng_state(), "random": random.getstate()})
+    drawn = (torch.rand(4), random.random())
+    rng.apply(earlier)
+    assert torch.equal(torch.rand(4), drawn[0]) and random.random() == drawn[1]
