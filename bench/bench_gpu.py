@@ -286,6 +286,17 @@ def crash(model: str, mode: str, timeout: float = 240.0) -> dict:
         at = {r["event"]: r for r in after}
         marks = [("script", at["main"]["began"]), ("main", at["main"]["t"]), ("distributed", at["distributed"]["t"]),
                  ("built", at["built"]["t"]), ("restored", restored["t"]), ("step", first["t"])]  # fmt: skip
+        # The agent's side, from its event log: when it saw the worker's exit (the dead process's
+        # teardown, its CUDA context and page-locked memory included, comes before that) and when it
+        # started the replacement.
+        files = (work / "logs").glob("**/events-*.jsonl")
+        events = [json.loads(line) for f in files for line in f.read_text().splitlines()]
+        seen = [e["ts"] for e in events if e["event"] == "worker_exit" and e["ts"] >= kill["t"]]
+        started = [e["ts"] for e in events if e["event"] == "worker_start" and e["ts"] >= kill["t"]]
+        if seen:
+            marks.insert(0, ("agent_saw_exit", min(seen)))
+        if started:
+            marks.insert(1 if seen else 0, ("worker_started", min(started)))
         out["breakdown_s"] = {name: round(t - kill["t"], 3) for name, t in marks}
         # The agent's own account of the restart ("workers running again N s after the failure").
         out["agent"] = [line for line in proc.stderr.splitlines() if "again" in line or "formed" in line][-3:]
