@@ -30,10 +30,17 @@ PROBE = textwrap.dedent(
 
     lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"), mode=os.RTLD_NOLOAD)
     agent = psutil.Process(os.getppid())
-    others = [p for p in agent.children() if p.pid != os.getpid()]
+
+    def cmdline(p):
+        try:
+            return p.cmdline()
+        except psutil.Error:  # the other worker, finished: a zombie until the agent reaps it, or gone
+            return None
+
+    others = [c for c in (cmdline(p) for p in agent.children() if p.pid != os.getpid()) if c is not None]
     elastrun_logger = logging.getLogger("elastrun")
     report = {
-        "agent_cmdline": agent.cmdline(), "other_children": [p.cmdline() for p in others],
+        "agent_cmdline": agent.cmdline(), "other_children": others,
         "cpp_log_level": ctypes.c_int.in_dll(lib, "FLAGS_caffe2_log_level").value,
         "modules": sorted(m for m in sys.modules if m == "elastrun" or m.startswith("elastrun.")),
         "elastrun_logger": [elastrun_logger.level, len(elastrun_logger.handlers), elastrun_logger.propagate],
