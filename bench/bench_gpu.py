@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import json
 import os
 import shutil
@@ -97,8 +98,24 @@ def measure(name: str, mode: str, steps: int, parts: set[str]) -> dict:
         began = time.perf_counter()
         state = et.State(model=model, optimizer=opt, snapshot_dir=work / "default", handle_signals=False)
         pipe = state._pipe
-        warm = until(lambda: pipe.meter is not None and pipe.meter.samples >= 3, trained(state), 400)
+        # Each step's end marked on the training stream: the gaps between the marks are the steps as
+        # the card saw them, stalls included (issue 32, item 4: no step pays for the slots' first touch
+        # while they are made in the background).
+        marks: list[torch.cuda.Event] = []
+
+        def marked() -> None:
+            trained(state)()
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record()
+
+        warm = until(lambda: pipe.meter is not None and pipe.meter.samples >= 3, marked, 400)
         out["settle_steps"], out["settle_s"] = warm, time.perf_counter() - began
+        torch.cuda.current_stream().synchronize()
+        gaps = [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
+        if gaps:
+            out["settle_step_ms"] = {"median": statistics.median(gaps), "max": max(gaps),
+                                     "over_2x_plain": sum(g > 2 * out["plain_ms"] for g in gaps),
+                                     "first": [round(g, 1) for g in gaps[:12]]}  # fmt: skip
         # Blocks with and without commit() alternate; the overhead is the median of each pair's ratio,
         # so that the card's drift (clocks, temperature) does not land on one side.
         pairs = [(block(steps, lambda: step(model, opt, x)), block(steps, trained(state))) for _ in range(ROUNDS)]
