@@ -12,7 +12,11 @@ on one GPU (NCCL, world size 1), blocks of steps each ended by a device synchron
 * ``dcp``: ``dcp.async_save`` of the same state every as many steps as the default chose, staged
   in pinned shared memory (``DefaultStager``), written to ``/dev/shm``; the optimizer's pre-hook
   waits for its staging, as ``State``'s waits for its copy;
-* ``restore``: a second ``State`` restoring the last snapshot from node memory onto the GPU.
+* ``restore``: a second ``State`` restoring the last snapshot from node memory onto the GPU, three
+  times: the first restore, a second, and a third under cProfile (where the fixed costs go).
+
+Beside them, for the puzzles of the first H200 run: each settling step's time on the card, the Python
+threads alive during the pairs, and a block without snapshots after the ``State`` is closed.
 
 Then the raw rates (device to host into a page-locked and a pageable ``/dev/shm`` mapping; host
 to device through ``gpu/load.py``), and a crash: ``gpu_job.py`` under ``elastrun --standalone``,
@@ -25,15 +29,19 @@ Every part is bounded; a part that fails is reported and the others go on.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import inspect
+import io
 import itertools
 import json
 import os
+import pstats
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -120,6 +128,7 @@ def measure(name: str, mode: str, steps: int, parts: set[str]) -> dict:
         # so that the card's drift (clocks, temperature) does not land on one side.
         pairs = [(block(steps, lambda: step(model, opt, x)), block(steps, trained(state))) for _ in range(ROUNDS)]
         out["pairs_ms"] = [(round(p * 1e3, 2), round(c * 1e3, 2)) for p, c in pairs]
+        out["threads"] = sorted(t.name for t in threading.enumerate())  # alive beside the plain blocks too
         out["default_ms"] = statistics.median(c for _, c in pairs) * 1e3
         out["default_ratio"] = statistics.median(c / p for p, c in pairs)
         m = pipe.meter
@@ -134,16 +143,25 @@ def measure(name: str, mode: str, steps: int, parts: set[str]) -> dict:
         every = max(1, int(out["every"]))
         # -- restore from node memory onto the GPU ------------------------------------------------
         if "restore" in parts:
-            again = et.State(model=model, optimizer=opt, snapshot_dir=work / "default", handle_signals=False)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            source = again.restore()
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - t
-            out.update(restore_source=source, restore_step=again.step, restore_s=seconds,
-                       restore_gbps=out["state_gb"] / seconds)  # fmt: skip
-            again.close()
+            # Three restores: the first (the lanes' page-locked buffers made in it when this is the
+            # process's first), a second (buffers made), a third under cProfile: where the fixed costs go.
+            timed = []
+            for k in range(3):
+                again = et.State(model=model, optimizer=opt, snapshot_dir=work / "default", handle_signals=False)
+                torch.cuda.synchronize()
+                profile = cProfile.Profile() if k == 2 else None
+                t = time.perf_counter()
+                source = again.restore() if profile is None else profile.runcall(again.restore)
+                torch.cuda.synchronize()
+                timed.append(time.perf_counter() - t)
+                again.close()
+            report = io.StringIO()
+            pstats.Stats(profile, stream=report).sort_stats("cumulative").print_stats(14)
+            out.update(restore_source=source, restore_step=again.step, restore_s=timed[0],
+                       restore_gbps=out["state_gb"] / timed[0], restore_again_s=timed[1],
+                       restore_profile=report.getvalue()[-3000:])  # fmt: skip
         state.close()
+        out["plain_after_close_ms"] = block(steps, lambda: step(model, opt, x)) * 1e3
         # -- a snapshot of every step --------------------------------------------------------------
         if "every1" in parts:
             state = et.State(model=model, optimizer=opt, snapshot_dir=work / "every1", snapshot_every=1,
