@@ -18,9 +18,9 @@ on one GPU (NCCL, world size 1), blocks of steps each ended by a device synchron
 Beside them, for the puzzles of the first H200 run: each settling step's time on the card, the Python
 threads alive during the pairs, and a block without snapshots after the ``State`` is closed.
 
-Then the raw rates (device to host into a page-locked and a pageable ``/dev/shm`` mapping; host
-to device through ``gpu/load.py``), and a crash: ``gpu_job.py`` under ``elastrun --standalone``,
-SIGKILLed after 50 commits, timed from the kill to its replacement's first finished step.
+Before them a crash (``gpu_job.py`` under ``elastrun --standalone``, SIGKILLed after 50 commits, timed
+from the kill to its replacement's first finished step); after them the raw rates (device to host into
+a page-locked and a pageable ``/dev/shm`` mapping; host to device through ``gpu/load.py``).
 
 Usage: ``python bench/bench_gpu.py [--models 126M,336M] [--modes ddp,fsdp] [--out results.json]``.
 Every part is bounded; a part that fails is reported and the others go on.
@@ -235,9 +235,11 @@ def dcp_async(model, opt, x, where: Path, every: int, steps: int, staged: bool =
                 pending["upload"] = resp
 
     try:
-        for _ in range(2 * every):
+        # One save to warm up, then two saves timed: each costs seconds (the H200 run: 1.9-4.9 s), so
+        # more would take the bench past its time in tools/gpu_check.sh and tell nothing new.
+        for _ in range(every):
             one()
-        return block(max(steps // 2, 2 * every), one)
+        return block(max(2 * every, 4), one)
     finally:
         hook()
         if pending["upload"] is not None:
@@ -358,6 +360,12 @@ def main() -> None:
         if a.out:
             Path(a.out).write_text(json.dumps(results, indent=1))
 
+    # The crash first: it is a job of its own (and the last part to lose if the bench runs out of time).
+    if a.crash:
+        model, mode = a.crash.split(":")
+        results["crash"] = crash(model, mode)
+        print(json.dumps(results["crash"]), flush=True)
+        save()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
     # DCP's async_save needs a CPU backend beside NCCL (its own collectives run on a thread).
@@ -381,11 +389,6 @@ def main() -> None:
         print(json.dumps(results["rates"]), flush=True)
         save()
     dist.destroy_process_group()
-    if a.crash:
-        model, mode = a.crash.split(":")
-        results["crash"] = crash(model, mode)
-        print(json.dumps(results["crash"]), flush=True)
-        save()
 
 
 if __name__ == "__main__":
