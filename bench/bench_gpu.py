@@ -360,7 +360,7 @@ def main() -> None:
         if a.out:
             Path(a.out).write_text(json.dumps(results, indent=1))
 
-    # The crash first: it is a job of its own (and the last part to lose if the bench runs out of time).
+    # The crash first: a job of its own, whose figures are then kept if the bench runs out of its time.
     if a.crash:
         model, mode = a.crash.split(":")
         results["crash"] = crash(model, mode)
