@@ -7,16 +7,25 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
+# The system packages install in the background, beside the Python ones below (each installer keeps one
+# core busy; on a fresh machine they are the set-up's two longest steps).  A failure of etcd's or
+# iproute2's install still stops this script, at the wait.
+apt_pid=""
 if [ "$(id -u)" = 0 ] && { ! command -v etcd >/dev/null || ! command -v ip >/dev/null \
         || ! command -v slurmctld >/dev/null || ! command -v chromedriver >/dev/null; }; then
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq >/dev/null
-    apt-get install -y -qq etcd-server iproute2 >/dev/null
-    # The daemons are not started here: the test runs its own, configured in a temporary directory.
-    apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client >/dev/null \
-        || echo "setup.sh: SLURM could not be installed; its tests will be skipped" >&2
-    apt-get install -y -qq chromium chromium-driver >/dev/null \
-        || echo "setup.sh: Chromium could not be installed; the browser test will be skipped" >&2
+    (
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq >/dev/null
+        apt-get install -y -qq etcd-server iproute2 >/dev/null
+        # The daemons are not started here: the test runs its own, configured in a temporary directory.
+        apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client >/dev/null \
+            || echo "setup.sh: SLURM could not be installed; its tests will be skipped" >&2
+        apt-get install -y -qq chromium chromium-driver >/dev/null \
+            || echo "setup.sh: Chromium could not be installed; the browser test will be skipped" >&2
+    ) &
+    apt_pid=$!
+    # Whatever stops this script, it leaves no installer running behind it.
+    trap 'wait "$apt_pid" 2>/dev/null || true' EXIT
 fi
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
@@ -27,4 +36,8 @@ sys.exit(any(u.find_spec(m) is None for m in ('accelerate', 'pytorch_lightning')
         || [ "${FORCE_INSTALL:-0}" = 1 ]; then
     .venv/bin/pip install -q --upgrade pip
     .venv/bin/pip install -q "torch==2.13.0" -e ".[dev]"
+fi
+if [ -n "$apt_pid" ]; then
+    wait "$apt_pid"
+    trap - EXIT
 fi
