@@ -110,9 +110,10 @@ def measure(name: str, mode: str, steps: int, parts: set[str]) -> dict:
         # the card saw them, stalls included (issue 32, item 4: no step pays for the slots' first touch
         # while they are made in the background).
         marks: list[torch.cuda.Event] = []
+        one = trained(state)
 
         def marked() -> None:
-            trained(state)()
+            one()
             marks.append(torch.cuda.Event(enable_timing=True))
             marks[-1].record()
 
@@ -179,24 +180,18 @@ def measure(name: str, mode: str, steps: int, parts: set[str]) -> dict:
                 plain_ms = block(steps, lambda: step(model, opt, x)) * 1e3
                 out["dcp_ms"] = dcp_async(model, opt, x, work / "dcp", every, steps) * 1e3
                 out["dcp_ratio"] = out["dcp_ms"] / plain_ms
-            except Exception as e:  # reported; then async_save's own staging, and the rest goes on
+            except Exception as e:  # reported, the rest goes on
                 out["dcp_error"] = f"{type(e).__name__}: {e}"
-                try:
-                    out["dcp_unstaged_ms"] = dcp_async(model, opt, x, work / "dcp0", every, steps, False) * 1e3
-                    out["dcp_unstaged_ratio"] = out["dcp_unstaged_ms"] / plain_ms
-                except Exception as e:
-                    out["dcp_unstaged_error"] = f"{type(e).__name__}: {e}"
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for k in ("default", "every1", "dcp", "dcp_unstaged"):
+    for k in ("default", "every1", "dcp"):
         if f"{k}_ratio" in out:
             out[f"{k}_overhead_pct"] = (out[f"{k}_ratio"] - 1) * 100
     return out
 
 
-def dcp_async(model, opt, x, where: Path, every: int, steps: int, staged: bool = True) -> float:
-    """Seconds per step with ``dcp.async_save`` every ``every`` steps: staged by a ``DefaultStager``
-    into pinned shared memory (``staged``), or by ``async_save``'s own default staging."""
+def dcp_async(model, opt, x, where: Path, every: int, steps: int) -> float:
+    """Seconds per step with ``dcp.async_save`` every ``every`` steps (pinned shared-memory staging)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -205,7 +200,7 @@ def dcp_async(model, opt, x, where: Path, every: int, steps: int, staged: bool =
     # async_save closes only the stagers it made keep theirs, with their pinned storages cached.
     keeps = "owned_async_stager" in inspect.getsource(dcp.async_save)
     options = StagingOptions(True, True, True, True)  # pinned, shared memory, async, non-blocking
-    stager = DefaultStager(options) if staged else None
+    stager = DefaultStager(options)
     pending: dict = {"staging": None, "upload": None, "saves": 0}
 
     def hook(*_):
@@ -223,7 +218,7 @@ def dcp_async(model, opt, x, where: Path, every: int, steps: int, staged: bool =
         if count[0] % every == 0:
             if pending["upload"] is not None:
                 pending["upload"].result()
-            if staged and pending["saves"] and not keeps:
+            if pending["saves"] and not keeps:
                 stager = DefaultStager(options)
             pending["saves"] += 1
             tensors = {f"{i}.{k}": v for i, s in enumerate(opt.state.values()) for k, v in s.items()}
@@ -245,8 +240,7 @@ def dcp_async(model, opt, x, where: Path, every: int, steps: int, staged: bool =
         if pending["upload"] is not None:
             pending["upload"].result()
         handle.remove()
-        if stager is not None:
-            stager.close()
+        stager.close()
 
 
 def rates(nbytes: int = 4 << 30) -> dict:
@@ -328,13 +322,12 @@ def crash(model: str, mode: str, timeout: float = 240.0) -> dict:
         # started the replacement.
         files = (work / "logs").glob("**/events-*.jsonl")
         events = [json.loads(line) for f in files for line in f.read_text().splitlines()]
-        seen = [e["ts"] for e in events if e["event"] == "worker_exit" and e["ts"] >= kill["t"]]
-        started = [e["ts"] for e in events if e["event"] == "worker_start" and e["ts"] >= kill["t"]]
-        if seen:
-            marks.insert(0, ("agent_saw_exit", min(seen)))
-        if started:
-            marks.insert(1 if seen else 0, ("worker_started", min(started)))
-        out["breakdown_s"] = {name: round(t - kill["t"], 3) for name, t in marks}
+        def first(kind: str) -> float | None:
+            return min((e["ts"] for e in events if e["event"] == kind and e["ts"] >= kill["t"]), default=None)
+
+        agent = [(name, t) for name, t in (("agent_saw_exit", first("worker_exit")),
+                                           ("worker_started", first("worker_start"))) if t is not None]
+        out["breakdown_s"] = {name: round(t - kill["t"], 3) for name, t in agent + marks}
         # The agent's own account of the restart ("workers running again N s after the failure").
         out["agent"] = [line for line in proc.stderr.splitlines() if "again" in line or "formed" in line][-3:]
     except (OSError, StopIteration, ValueError, KeyError) as e:

@@ -11,8 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # torch's TCPStore looks up the name of every peer it connects or accepts (a reverse DNS query, on the store's
 # own thread), and a resolver that drops a query stalls it for glibc's 5 s timeout: here, about once every 25
-# connections to a store (docs/testing.md, "Reverse DNS").  Every test talks over loopback; 1 s is plenty.  A value already
-# set is kept.
+# connections to a store (docs/testing.md, "Reverse DNS").  Every test talks over loopback; 1 s is plenty.
+# A value already set is kept.
 export RES_OPTIONS="${RES_OPTIONS:-timeout:1 attempts:1}"
 # Byte-code is cached as on a user's machine, where nothing sets PYTHONDONTWRITEBYTECODE: with it set (as on this
 # project's machines) each of the suite's ~700 processes compiles the elastrun modules it imports, and each
