@@ -16,7 +16,9 @@ on one GPU (NCCL, world size 1), blocks of steps each ended by a device synchron
   times: the first restore, a second, and a third under cProfile (where the fixed costs go).
 
 Beside them, for the puzzles of the first H200 run: each settling step's time on the card, the Python
-threads alive during the pairs, and a block without snapshots after the ``State`` is closed.
+threads alive during the pairs, a block without snapshots after the ``State`` is closed, the training
+thread's CPU time and the garbage collector's in each block, and steps each followed by a host wait for
+the training stream (what a flag all-reduce read on the host costs under NCCL).
 
 Before them a crash (``gpu_job.py`` under ``elastrun --standalone``, SIGKILLed after 50 commits, timed
 from the kill to its replacement's first finished step); after them the raw rates (device to host into
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import inspect
 import io
 import itertools
@@ -60,19 +63,45 @@ SHM = Path("/dev/shm")
 ROUNDS = 3
 
 
-def block(n: int, fn) -> float:
+#: Python's garbage collections so far: how many (of the oldest generation) and their seconds.
+_GC = {"s": 0.0, "n": 0, "full": 0, "t0": 0.0}
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _GC["t0"] = time.perf_counter()
+    else:
+        _GC["s"] += time.perf_counter() - _GC["t0"]
+        _GC["n"] += 1
+        _GC["full"] += info.get("generation") == 2
+
+
+gc.callbacks.append(_on_gc)
+
+
+def block(n: int, fn, host: list | None = None) -> float:
     """Seconds per call of ``fn`` over ``n`` calls, the training stream synchronised at both ends.
 
     Not the whole device: a snapshot's copy still on the side stream at a block's end is not time
     the training waits for (it overlaps the next steps).  ``torch.cuda.synchronize()`` here charged
     up to one whole copy per block to the block (measured on the H200: up to 7 ms a step for the
-    336M model in blocks of 16 steps)."""
+    336M model in blocks of 16 steps).
+
+    ``host``: appended with the training thread's CPU time and the garbage collector's, per call
+    (a step bound by the host slows down when either grows: the 126M FSDP2 puzzle of the H200 run)."""
     torch.cuda.current_stream().synchronize()
+    gc0, full0, s0 = _GC["n"], _GC["full"], _GC["s"]
+    cpu = time.thread_time()
     t = time.perf_counter()
     for _ in range(n):
         fn()
     torch.cuda.current_stream().synchronize()
-    return (time.perf_counter() - t) / n
+    wall = (time.perf_counter() - t) / n
+    if host is not None:
+        host.append({"cpu_ms": round((time.thread_time() - cpu) / n * 1e3, 2),
+                     "gc_ms": round((_GC["s"] - s0) / n * 1e3, 3), "gcs": _GC["n"] - gc0,
+                     "full_gcs": _GC["full"] - full0})  # fmt: skip
+    return wall
 
 
 def until(predicate, fn, most: int) -> int:
@@ -91,8 +120,14 @@ def measure(name: str, mode: str, steps: int, parts: set[str]) -> dict:
     for _ in range(3):
         step(model, opt, x)
     out["state_gb"] = state_bytes(model, opt) / 1e9
-    plain = block(steps, lambda: step(model, opt, x))
+    host: list = []
+    plain = block(steps, lambda: step(model, opt, x), host)
     out["plain_ms"] = plain * 1e3
+    out["plain_host"] = host[0]
+    out["objects"] = [len(gc.get_objects())]
+    # Each step followed by a wait for the training stream on the host: what a per-commit flag all-reduce
+    # read back on the host (``dist.maxima`` under NCCL, world size > 1) would cost.
+    out["sync_each_ms"] = block(steps, lambda: (step(model, opt, x), torch.cuda.current_stream().synchronize())) * 1e3
 
     def trained(state: et.State):
         def one() -> None:
@@ -127,9 +162,14 @@ def measure(name: str, mode: str, steps: int, parts: set[str]) -> dict:
                                      "first": [round(g, 1) for g in gaps[:12]]}  # fmt: skip
         # Blocks with and without commit() alternate; the overhead is the median of each pair's ratio,
         # so that the card's drift (clocks, temperature) does not land on one side.
-        pairs = [(block(steps, lambda: step(model, opt, x)), block(steps, trained(state))) for _ in range(ROUNDS)]
+        plain_host: list = []
+        commit_host: list = []
+        pairs = [(block(steps, lambda: step(model, opt, x), plain_host), block(steps, trained(state), commit_host))
+                 for _ in range(ROUNDS)]  # fmt: skip
         out["pairs_ms"] = [(round(p * 1e3, 2), round(c * 1e3, 2)) for p, c in pairs]
+        out["pairs_host"] = {"plain": plain_host, "commit": commit_host}
         out["threads"] = sorted(t.name for t in threading.enumerate())  # alive beside the plain blocks too
+        out["objects"].append(len(gc.get_objects()))
         out["default_ms"] = statistics.median(c for _, c in pairs) * 1e3
         out["default_ratio"] = statistics.median(c / p for p, c in pairs)
         m = pipe.meter
@@ -162,7 +202,9 @@ def measure(name: str, mode: str, steps: int, parts: set[str]) -> dict:
                        restore_gbps=out["state_gb"] / timed[0], restore_again_s=timed[1],
                        restore_profile=report.getvalue()[-3000:])  # fmt: skip
         state.close()
-        out["plain_after_close_ms"] = block(steps, lambda: step(model, opt, x)) * 1e3
+        host = []
+        out["plain_after_close_ms"] = block(steps, lambda: step(model, opt, x), host) * 1e3
+        out["after_close_host"] = host[0]
         # -- a snapshot of every step --------------------------------------------------------------
         if "every1" in parts:
             state = et.State(model=model, optimizer=opt, snapshot_dir=work / "every1", snapshot_every=1,
