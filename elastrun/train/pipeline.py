@@ -315,6 +315,10 @@ class SnapshotPipeline:
     def wait(self, timeout: float | None = None) -> bool:
         return self._writer.wait(timeout=timeout)
 
+    def close(self, timeout: float | None = None) -> bool:
+        """:meth:`wait`, then let the helper thread end (``State.close()``)."""
+        return self._writer.close(timeout=timeout)
+
     def reset(self) -> None:
         """After a re-form: step times start again (the group, and perhaps the rank, changed)."""
         if self.meter is not None:

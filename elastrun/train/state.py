@@ -341,7 +341,7 @@ class State(Reformable):
             notes.warn(str(e), stacklevel=2)
         for job in (self._pipe, self._persister):
             try:
-                job.wait(timeout=120)
+                job.close(timeout=120)
             except RuntimeError as e:
                 notes.warn(str(e), stacklevel=2)
         if self._hook is not None:

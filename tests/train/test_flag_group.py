@@ -1,0 +1,65 @@
+"""The per-commit flags travel over the host beside an NCCL group: ``dist.flag_group()``.
+
+Under an NCCL default group, ``commit()``'s flag all-reduce ran on the GPU and was read back on the
+host, a wait for every kernel queued (measured on an H100: +20 % a step for FSDP2).  The flags now go
+through a gloo group over the same ranks, made with the default group and again after a re-form.
+Two real ranks on a gloo default group stand in for NCCL here (``_needs_flag_group`` says yes);
+``tests/gpu/test_flags_cuda.py`` checks that the host does not wait for the GPU under NCCL itself.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+
+from tests.harness import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def _rank(rank: int, ports: tuple[int, int], out) -> None:
+    import torch.distributed as dist
+
+    from elastrun.train import dist as edist
+
+    edist._needs_flag_group = lambda: True  # the gloo default group stands in for an NCCL one
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank))  # fmt: skip
+    edist.init_distributed("gloo", timeout_s=60)
+    made_at_init = bool(edist._flag_group)
+    first = edist.flag_group()
+    got = edist.maxima((rank, 1 - rank, 5), [])
+    kept = edist.flag_group() is first
+    backend = str(dist.get_backend(first))
+    dist.destroy_process_group()  # what a re-form does; then a new default group
+    os.environ["MASTER_PORT"] = str(ports[1])
+    edist.init_distributed("gloo", timeout_s=60)
+    second = edist.flag_group()
+    again = edist.maxima((3 * rank,), [])
+    out.put((rank, made_at_init, got, kept, backend, second is not first and second is not None, again))
+    dist.destroy_process_group()
+
+
+def test_flags_go_over_a_gloo_group_made_with_the_default_group_and_again_after_a_new_one():
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    ports = (free_port(), free_port())
+    procs = [ctx.Process(target=_rank, args=(r, ports, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(out.get(timeout=90) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    for rank, made_at_init, got, kept, backend, remade, again in results:
+        assert made_at_init, f"rank {rank}: no flag group made with the default group"
+        assert got == (1, 1, 5) and again == (3,), f"rank {rank}: wrong maxima {got}, {again}"
+        assert kept and backend == "gloo", f"rank {rank}: the flag group changed ({kept}) or is {backend}"
+        assert remade, f"rank {rank}: the flag group of the destroyed default group was used again"
+    assert [p.exitcode for p in procs] == [0, 0]
