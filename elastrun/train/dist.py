@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import pickle
+import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -11,6 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from elastrun.train import notes
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,31 @@ def comm_device() -> torch.device:
 _flag_group: list[Any] = []
 
 
+#: Why no flag group is made (said once), if one is not.
+_flag_group_refused: list[str] = []
+
+
+def _gloo_unreachable(world_size: int) -> str:
+    """Why a gloo group would fail to connect this job's nodes, or "".  Gloo binds to the address this
+    host's name resolves to (``GLOO_SOCKET_IFNAME`` unset); on a host whose name resolves to a
+    loopback address (Debian's ``127.0.1.1``) the other nodes cannot reach it, and the group's set-up
+    would wait out its whole timeout.  A job on one host is not concerned."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return ""
+    local = _env_int("LOCAL_WORLD_SIZE", 0)
+    if local and local >= world_size:
+        return ""
+    try:
+        address = socket.gethostbyname(socket.gethostname())
+        loopback = ipaddress.ip_address(address).is_loopback
+    except (OSError, ValueError):
+        address, loopback = "nothing", True
+    if not loopback:
+        return ""
+    return (f"this host's name resolves to {address}, where gloo cannot reach the other nodes; set "
+            "GLOO_SOCKET_IFNAME to the network interface that reaches MASTER_ADDR")  # fmt: skip
+
+
 def _needs_flag_group() -> bool:
     """Whether the default group takes GPU tensors only (NCCL): flags then need a group of their own."""
     return dist.get_backend() == "nccl"
@@ -138,8 +167,16 @@ def flag_group() -> Any:
     Made once per default group, by every rank at the same point (collective): by
     :func:`init_distributed` after its group (so that a re-form's shutdown finds its connections),
     else at the first commit.  A group destroyed with its default group is made again.  Without
-    gloo in this torch build, None (flags then go over NCCL, as before)."""
+    gloo in this torch build, or where gloo could not reach the other nodes (:func:`_gloo_unreachable`,
+    said once), None: flags then go over NCCL, as before."""
     if not dist.is_initialized() or not _needs_flag_group() or not dist.is_gloo_available():
+        return None
+    why = _gloo_unreachable(dist.get_world_size())
+    if why:
+        if not _flag_group_refused:
+            _flag_group_refused.append(why)
+            notes.warn(f"commit()'s flags go over NCCL, and each commit waits for the GPU to finish the step: {why}",
+                       stacklevel=3)  # fmt: skip
         return None
     c10d = dist.distributed_c10d
     default = c10d._get_default_group()

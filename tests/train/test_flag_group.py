@@ -16,8 +16,6 @@ import pytest
 
 from tests.harness import free_port
 
-pytestmark = pytest.mark.e2e
-
 
 def _rank(rank: int, ports: tuple[int, int], out) -> None:
     import torch.distributed as dist
@@ -26,7 +24,7 @@ def _rank(rank: int, ports: tuple[int, int], out) -> None:
 
     edist._needs_flag_group = lambda: True  # the gloo default group stands in for an NCCL one
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), WORLD_SIZE="2", RANK=str(rank),
-                      LOCAL_RANK=str(rank))  # fmt: skip
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")  # fmt: skip
     edist.init_distributed("gloo", timeout_s=60)
     made_at_init = bool(edist._flag_group)
     first = edist.flag_group()
@@ -42,6 +40,7 @@ def _rank(rank: int, ports: tuple[int, int], out) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_flags_go_over_a_gloo_group_made_with_the_default_group_and_again_after_a_new_one():
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
@@ -63,3 +62,25 @@ def test_flags_go_over_a_gloo_group_made_with_the_default_group_and_again_after_
         assert kept and backend == "gloo", f"rank {rank}: the flag group changed ({kept}) or is {backend}"
         assert remade, f"rank {rank}: the flag group of the destroyed default group was used again"
     assert [p.exitcode for p in procs] == [0, 0]
+
+
+@pytest.mark.unit
+def test_no_gloo_flag_group_where_the_host_name_resolves_to_loopback_on_several_hosts(monkeypatch):
+    """Gloo binds to the address the host's name resolves to: Debian's 127.0.1.1 cannot reach another
+    node, and the group's set-up would wait out its timeout.  Refused there (flags over NCCL, said
+    once), unless GLOO_SOCKET_IFNAME names the interface; one host is fine either way."""
+    import socket
+
+    from elastrun.train import dist as edist
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    why = edist._gloo_unreachable(16)
+    assert "127.0.1.1" in why and "GLOO_SOCKET_IFNAME" in why
+    assert edist._gloo_unreachable(8) == ""  # every rank on this host
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "10.1.2.3")
+    assert edist._gloo_unreachable(16) == ""
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    assert edist._gloo_unreachable(16) == ""
