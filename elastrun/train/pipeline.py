@@ -43,8 +43,8 @@ from elastrun.train import notes, spacing
 from elastrun.train.background import BackgroundJob
 from elastrun.train.blob import Flattened, copy_into
 from elastrun.train.copier import SnapshotCopy
-from elastrun.train.gpu.copy import POLL_S, DeviceCopy
-from elastrun.train.gpu.device import Device, device_of
+from elastrun.train.gpu.copy import DeviceCopy
+from elastrun.train.gpu.device import POLL_S, Device, device_of
 from elastrun.train.snapshot import MemorySnapshots
 
 #: Snapshots whose RNG files are kept whatever their age (a restore may need the previous one's).

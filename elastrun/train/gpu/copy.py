@@ -24,16 +24,12 @@ Usage (``pipeline.py``)::
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
 from elastrun.train.blob import Flattened, as_bytes
 from elastrun.train.gpu.device import Device
-
-#: How often a helper thread looks whether a copy has landed (the device's own wait would spin a core).
-POLL_S = 0.0005
 
 
 def runs(flat: Flattened, indices: list[int]) -> list[tuple[int, int]]:
@@ -119,10 +115,9 @@ class DeviceCopy:
     def landed(self) -> bool:
         return self.done is not None and self.dev.done(self.done)
 
-    def wait(self, poll_s: float = POLL_S) -> None:
+    def wait(self) -> None:
         """Block the calling (helper) thread until the bytes are in the slot."""
-        while not self.landed():
-            time.sleep(poll_s)
+        self.dev.sync(self.done)
         self._sources = []
 
     def timings(self) -> dict[str, float]:
