@@ -180,6 +180,12 @@ def measure(name: str, mode: str, steps: int, parts: set[str]) -> dict:
                        d2h_gbps=(m.nbytes / m.copy_s / 1e9) if m.copy_s else None)
         out["deferred"] = pipe.deferred
         out["pinned"] = not pipe._unpinned
+        if "profile" in parts:  # where the training thread's time goes in a block with commit()
+            profile = cProfile.Profile()
+            profile.runcall(block, steps, trained(state))
+            report = io.StringIO()
+            pstats.Stats(profile, stream=report).sort_stats("tottime").print_stats(30)
+            out["commit_profile"] = report.getvalue()[-6000:]
         state.flush()
         every = max(1, int(out["every"]))
         # -- restore from node memory onto the GPU ------------------------------------------------
@@ -357,8 +363,9 @@ def crash(model: str, mode: str, timeout: float = 240.0) -> dict:
         # group and the worker was forked), main() began (its imports), the process group made, the
         # model built, restored, the first step done.
         at = {r["event"]: r for r in after}
-        marks = [("script", at["main"]["began"]), ("main", at["main"]["t"]), ("distributed", at["distributed"]["t"]),
-                 ("built", at["built"]["t"]), ("restored", restored["t"]), ("step", first["t"])]  # fmt: skip
+        marks = [("script", at["main"]["began"]), ("main", at["main"]["t"]), ("cuda", at["cuda"]["t"]),
+                 ("distributed", at["distributed"]["t"]), ("model", at["model"]["t"]), ("built", at["built"]["t"]),
+                 ("restored", restored["t"]), ("step", first["t"])]  # fmt: skip
         # The agent's side, from its event log: when it saw the worker's exit (the dead process's
         # teardown, its CUDA context and page-locked memory included, comes before that) and when it
         # started the replacement.
@@ -378,13 +385,79 @@ def crash(model: str, mode: str, timeout: float = 240.0) -> dict:
     return out
 
 
+_DYING = r"""
+import os, sys, time
+from pathlib import Path
+fd, device_gb, pinned_gb, where = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), Path(sys.argv[4])
+import torch
+from elastrun.train.gpu.device import CudaDevice
+from elastrun.train.slotmem import SlotMemory
+torch.cuda.set_device(0)
+held = torch.empty(int(device_gb * 1e9), dtype=torch.uint8, device="cuda").fill_(1)
+dev = CudaDevice(0)
+slots = [SlotMemory.make(where / f"slot{i}", int(pinned_gb * 1e9 / 3), dev) for i in range(3 if pinned_gb else 0)]
+torch.cuda.synchronize()
+os.write(fd, b"ready")
+time.sleep(600)
+"""
+
+
+def teardown(pinned_gb: float, device_gb: float = 20.0) -> dict:
+    """A CUDA process holding ``device_gb`` of device memory and ``pinned_gb`` of page-locked slots
+    (three ``/dev/shm`` mappings, as ``State`` makes) is SIGKILLed: the seconds until its socket's
+    other end reads EOF (its descriptors closed, early in the kernel's teardown) and until it is
+    reaped (what the agent waits for), and a fresh process's CUDA start right after."""
+    import signal
+    import socket
+
+    mine, theirs = socket.socketpair()
+    where = Path(tempfile.mkdtemp(prefix="bench-dying-", dir=SHM))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-c", _DYING, str(theirs.fileno()), str(device_gb), str(pinned_gb),
+                             str(where)], pass_fds=[theirs.fileno()], env=env)  # fmt: skip
+    theirs.close()
+    out: dict = {"pinned_gb": pinned_gb, "device_gb": device_gb}
+    try:
+        mine.settimeout(120)
+        if mine.recv(16) != b"ready":
+            raise RuntimeError("the dying process did not get ready")
+        eof: list[float] = []
+        t = time.perf_counter()
+
+        def read_eof() -> None:
+            mine.recv(16)
+            eof.append(time.perf_counter() - t)
+
+        reader = threading.Thread(target=read_eof, daemon=True)
+        reader.start()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        out["reaped_s"] = time.perf_counter() - t
+        reader.join(timeout=60)
+        out["eof_s"] = eof[0] if eof else None
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch; torch.cuda.init(); torch.empty(1, device='cuda')"],
+                       check=True, timeout=120)  # fmt: skip
+        out["next_cuda_start_s"] = time.perf_counter() - t
+    except Exception as e:  # reported, the rest goes on
+        out["error"] = f"{type(e).__name__}: {e}"
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        mine.close()
+        shutil.rmtree(where, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="126M,336M")
     p.add_argument("--modes", default="ddp,fsdp")
     p.add_argument("--pairs", default="", help="model:mode,... (instead of every model x mode)")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--parts", default="restore,every1,dcp", help="beside the default: restore, every1, dcp")
+    p.add_argument("--parts", default="restore,every1,dcp",
+                   help="beside the default: restore, every1, dcp, profile (cProfile of a block with commit())")
+    p.add_argument("--teardown", action="store_true", help="how long a killed CUDA process takes to die")
     p.add_argument("--crash", default="336M:ddp", help="model:mode of the crash measurement ('' to skip)")
     p.add_argument("--rates", action=argparse.BooleanOptionalAction, default=True, help="the raw copy rates")
     p.add_argument("--out", default=None)
@@ -400,6 +473,10 @@ def main() -> None:
         model, mode = a.crash.split(":")
         results["crash"] = crash(model, mode)
         print(json.dumps(results["crash"]), flush=True)
+        save()
+    if a.teardown:
+        results["teardown"] = [teardown(pinned) for pinned in (0.0, 12.0)]
+        print(json.dumps(results["teardown"]), flush=True)
         save()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")

@@ -2,9 +2,9 @@
 at its defaults, SIGKILLed once after ``--crash-at`` commits.
 
 Appends JSON lines to ``--log``: ``main`` (when the script's first line ran and when ``main()`` began),
-``distributed`` (the process group made), ``built`` (model, optimizer and batch on the GPU), ``restored``
-(source, step, seconds in ``restore()``), ``step`` (the first steps of each worker, once finished on the
-device) and ``kill`` (when it killed itself).
+``cuda`` (the CUDA context made), ``distributed`` (the process group made), ``model`` (built and wrapped),
+``built`` (the batch too), ``restored`` (source, step, seconds in ``restore()``), ``step`` (the first
+steps of each worker, once finished on the device) and ``kill`` (when it killed itself).
 """
 
 from __future__ import annotations
@@ -43,9 +43,14 @@ def main() -> None:
             f.write(json.dumps({"attempt": attempt, "t": time.time(), **record}) + "\n")
 
     log(event="main", began=BEGAN)  # the script's first line, then main() (its imports done)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch.empty(1, device="cuda")
+    log(event="cuda")  # the CUDA context made
     et.init_distributed()
     log(event="distributed")
     model, opt = build(a.model, a.mode)
+    torch.cuda.synchronize()
+    log(event="model")  # built on the GPU and wrapped (DDP: NCCL's communicator made, parameters broadcast)
     x = batch(a.model)
     torch.cuda.synchronize()
     log(event="built")
