@@ -2,9 +2,10 @@
 at its defaults, SIGKILLed once after ``--crash-at`` commits.
 
 Appends JSON lines to ``--log``: ``main`` (when the script's first line ran and when ``main()`` began),
-``cuda`` (the CUDA context made), ``distributed`` (the process group made), ``model`` (built and wrapped),
-``built`` (the batch too), ``restored`` (source, step, seconds in ``restore()``), ``step`` (the first
-steps of each worker, once finished on the device) and ``kill`` (when it killed itself).
+``cuda`` (with ``--cuda-first``: the CUDA context made), ``distributed`` (the process group made),
+``model`` (built and wrapped), ``built`` (the batch too), ``restored`` (source, step, seconds in
+``restore()``), ``step`` (the first steps of each worker, once finished on the device) and ``kill``
+(when it killed itself).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=70)
     p.add_argument("--crash-at", type=int, default=50)
     p.add_argument("--log", required=True)
+    p.add_argument("--cuda-first", action="store_true", help="make the CUDA context before the process group")
     a = p.parse_args()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -43,9 +45,10 @@ def main() -> None:
             f.write(json.dumps({"attempt": attempt, "t": time.time(), **record}) + "\n")
 
     log(event="main", began=BEGAN)  # the script's first line, then main() (its imports done)
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    torch.empty(1, device="cuda")
-    log(event="cuda")  # the CUDA context made
+    if a.cuda_first:  # the CUDA context made alone first: its time apart from the process group's
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.empty(1, device="cuda")
+        log(event="cuda")
     et.init_distributed()
     log(event="distributed")
     model, opt = build(a.model, a.mode)

@@ -7,7 +7,6 @@ import os
 import pickle
 import socket
 import sys
-import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -51,12 +50,12 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if dist.is_initialized():
         return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    if use_cuda:
+        torch.cuda.set_device(device)
     backend = backend or ("nccl" if use_cuda else "gloo")
     timeout = timedelta(seconds=timeout_s)
     _one_rank_prefix()
     if "WORLD_SIZE" not in os.environ:
-        if use_cuda:
-            torch.cuda.set_device(device)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -65,39 +64,14 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
                     f"WORLD_SIZE is set but {name} is not: start this script with elastrun (or another "
                     "launcher that sets RANK, MASTER_ADDR and MASTER_PORT)"
                 )
-        context = _make_context(device) if use_cuda else None
         try:
             dist.init_process_group(backend, init_method="env://", timeout=timeout)
-            if context is not None:
-                context.join()
-                torch.cuda.set_device(device)  # before any collective: NCCL binds to the current device
             if dist.get_world_size() > 1:
                 flag_group()  # made here, with the group: a re-form's shutdown finds its connections
         except BaseException:
             _forget_failed_init()
             raise
-        finally:
-            if context is not None:
-                context.join()
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
-
-
-def _make_context(device: torch.device) -> threading.Thread:
-    """Start making ``device``'s CUDA context on a helper thread, while the calling thread joins the
-    process group (it meets the store and the other ranks): a restarted worker pays the two side by
-    side instead of one after the other.  A failure there is not raised: the calling thread's
-    ``set_device`` meets the same error and raises it."""
-
-    def make() -> None:
-        try:
-            torch.cuda.set_device(device)  # the primary context: process-wide, made once
-            torch.empty(0, device=device)
-        except Exception:
-            pass
-
-    thread = threading.Thread(target=make, name="elastrun-cuda-context", daemon=True)
-    thread.start()
-    return thread
 
 
 #: ``sys.excepthook`` as it was before this process's first process group (see :func:`_one_rank_prefix`).
@@ -163,7 +137,7 @@ def _gloo_unreachable(world_size: int) -> str:
     if os.environ.get("GLOO_SOCKET_IFNAME"):
         return ""
     local = _env_int("LOCAL_WORLD_SIZE", 0)
-    if local and local >= world_size:
+    if world_size <= max(local, 1):
         return ""
     try:
         address = socket.gethostbyname(socket.gethostname())

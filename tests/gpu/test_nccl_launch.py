@@ -61,9 +61,11 @@ def test_nccl_job_restarts_after_a_crash_through_the_pool(tmp_path):
 @gpus(1)
 @pytest.mark.parametrize("destroy", ["0", "1"])
 def test_finished_nccl_jobs_exit_0_every_time(tmp_path, destroy):
-    """torch's process-group teardown races must not turn a finished NCCL job into a failure."""
+    """torch's process-group teardown races must not turn a finished NCCL job into a failure.  Three
+    jobs each way (five took 117 s of the device call's time on an H100; the CPU suite's teardown
+    tests repeat the race more often on gloo)."""
     nproc = min(2, gpu_count())
-    for attempt in range(5):
+    for attempt in range(3):
         run_dir = tmp_path / f"run{attempt}"
         run_dir.mkdir()
         proc, _events, _steps = _run(run_dir, nproc, STEPS="5", DESTROY=destroy)

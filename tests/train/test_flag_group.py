@@ -79,6 +79,10 @@ def test_no_gloo_flag_group_where_the_host_name_resolves_to_loopback_on_several_
     why = edist._gloo_unreachable(16)
     assert "127.0.1.1" in why and "GLOO_SOCKET_IFNAME" in why
     assert edist._gloo_unreachable(8) == ""  # every rank on this host
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert edist._gloo_unreachable(1) == ""  # one rank, whatever launched it
+    assert "127.0.1.1" in edist._gloo_unreachable(2)  # not known to be one host
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "10.1.2.3")
     assert edist._gloo_unreachable(16) == ""
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")

@@ -29,7 +29,7 @@ from elastrun.train.blob import as_bytes, check, entry_layout, tree_of
 LANES = 16
 BUFFER = 8 << 20
 
-_buffers: dict[int, dict[int, torch.Tensor]] = {}  # device index -> lane -> its buffer (made once per process)
+_buffers: dict[int, list[torch.Tensor]] = {}  # device index -> the lanes' buffers (made once per process)
 _lock = threading.Lock()
 
 
@@ -43,18 +43,13 @@ class Piece:
     nbytes: int
 
 
-def _lane_buffer(device: torch.device, k: int) -> torch.Tensor:
-    """Lane ``k``'s page-locked buffer, made by the lane's own thread the first time (the lanes make
-    theirs at once: one after the other they cost a process's first restore tens of milliseconds)."""
+def _lane_buffers(device: torch.device, lanes: int) -> list[torch.Tensor]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
-        have = _buffers.setdefault(index, {})
-        buf = have.get(k)
-    if buf is None:
-        buf = torch.empty(BUFFER, dtype=torch.uint8, pin_memory=True)
-        with _lock:
-            buf = have.setdefault(k, buf)
-    return buf
+        have = _buffers.setdefault(index, [])
+        while len(have) < lanes:
+            have.append(torch.empty(BUFFER, dtype=torch.uint8, pin_memory=True))
+        return have[:lanes]
 
 
 def _buffer_view(buf: torch.Tensor, n: int) -> memoryview:
@@ -80,16 +75,16 @@ def load(pieces: list[Piece], source: str | os.PathLike | torch.Tensor, lanes: i
         return 0
     device = work[0].dst.device
     lanes = max(1, min(lanes, len(work), os.cpu_count() or 1))
+    buffers = _lane_buffers(device, lanes)
     fd = os.open(source, os.O_RDONLY) if not isinstance(source, torch.Tensor) else -1
     errors: list[BaseException] = []
     events: list[torch.cuda.Event] = []
     try:
         def lane(k: int) -> None:
-            done = None
+            torch.cuda.set_device(device)
+            stream = torch.cuda.Stream(device=device)
+            buf, done = buffers[k], None
             try:
-                torch.cuda.set_device(device)
-                stream = torch.cuda.Stream(device=device)
-                buf = _lane_buffer(device, k)
                 for p in work[k::lanes]:
                     if done is not None:
                         done.synchronize()  # the buffer's last copy has left it
