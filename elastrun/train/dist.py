@@ -160,9 +160,11 @@ def flag_group() -> Any:
     takes CPU tensors; beside an NCCL default group, a gloo group over the same ranks.
 
     A flag all-reduced on the GPU must be read back on the host, and that read waits for every kernel
-    the training stream has queued: at each commit the host would lose its lead over the device.
-    Measured on an H100 (2026-11-27), a host wait after each step cost FSDP2 (126M parameters) 20 % of
-    its step, and DDP 0.1-1 %.  A few integers over gloo cost a network round trip and no GPU wait.
+    the training stream has queued: at each commit the host loses its lead over the device, and
+    whatever the host does next (the next batch, its copy to the GPU) runs while the GPU idles.  In
+    the H100 benchmark (2026-11-27: batches already on the GPU, so nothing for the host to do between
+    steps) a host wait after each step cost 0-1.5 %; a loop that loads its batches pays more.  A few
+    integers over gloo cost a network round trip and no GPU wait.
 
     Made once per default group, by every rank at the same point (collective): by
     :func:`init_distributed` after its group (so that a re-form's shutdown finds its connections),

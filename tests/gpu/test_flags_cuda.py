@@ -1,11 +1,10 @@
 """``commit()``'s flags under NCCL: all-reduced over the host, without waiting for the GPU.
 
 Under an NCCL default group the flags used to be all-reduced on the GPU and read back on the host,
-which waited for every kernel the training stream had queued (measured on an H100: +20 % a step for
-FSDP2, 126M parameters).  Here a kernel that keeps the GPU busy for about two seconds is queued, then
-``maxima`` runs (as at world size > 1: ``active`` says yes): it must return while that kernel still
-runs, through a gloo group made beside the NCCL one.  The old route is timed beside it, so the test
-shows that it would fail had the flags stayed on the GPU.
+which waited for every kernel the training stream had queued.  Here a kernel that keeps the GPU busy
+for about two seconds is queued, then ``maxima`` runs (as at world size > 1: ``active`` says yes): it
+must return while that kernel still runs, through a gloo group made beside the NCCL one.  The old
+route is timed beside it, so the test shows that it would fail had the flags stayed on the GPU.
 """
 
 from __future__ import annotations

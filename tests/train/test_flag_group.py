@@ -1,7 +1,7 @@
 """The per-commit flags travel over the host beside an NCCL group: ``dist.flag_group()``.
 
 Under an NCCL default group, ``commit()``'s flag all-reduce ran on the GPU and was read back on the
-host, a wait for every kernel queued (measured on an H100: +20 % a step for FSDP2).  The flags now go
+host: at every commit a wait for every kernel queued (``elastrun/train/dist.py``).  The flags now go
 through a gloo group over the same ranks, made with the default group and again after a re-form.
 Two real ranks on a gloo default group stand in for NCCL here (``_needs_flag_group`` says yes);
 ``tests/gpu/test_flags_cuda.py`` checks that the host does not wait for the GPU under NCCL itself.
