@@ -15,6 +15,12 @@ state's size is known (:meth:`SlotMemory.make`):
    write into it directly).  Where that is refused (an unprivileged container, a locked-memory
    limit) the slot stays pageable and the caller says so once.
 
+The driver holds a lock through each registration that the training thread's own CUDA calls wait
+for: three 4 GB slots registered whole stalled one training step 3.0-4.1 s on an H100 and an H200
+(1.4-1.9 s for three 1.5 GB slots).  So a mapping is registered in pieces (``PIN_CHUNK``, cut at
+absolute addresses so that a copy can be cut the same way), one piece at a time in the process, each
+followed by a pause as long as it took: the training thread waits for one piece at most.
+
 Page-locked memory is held until the mapping is closed; the pages of ``/dev/shm`` count against the
 host's memory (and a container's memory limit) whether locked or not.
 """
@@ -24,13 +30,21 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
+
+from elastrun.train.gpu.device import pin_pieces
 
 #: ``fallocate(2)``'s flag that allocates without changing the file's size.
 FALLOC_FL_KEEP_SIZE = 0x01
 
 _libc: ctypes.CDLL | None = None
+#: One registration at a time in this process (the slots are made on one thread each).
+_pin_lock = threading.Lock()
+#: The longest pause after a piece (a piece normally takes 10-30 ms).
+PIN_PAUSE_MAX_S = 0.1
 
 
 def fallocate(fd: int, nbytes: int) -> bool:
@@ -85,6 +99,7 @@ class SlotMemory:
         self.size = size
         self.ready = ready  # allocated and mapped ahead of its first write
         self._pinned_by: Any = None  # the device it is page-locked for
+        self._pieces: list[int] = []  # the addresses of its registered pieces
 
     @classmethod
     def make(cls, path: Path, size: int, device: Any = None) -> SlotMemory:
@@ -96,10 +111,27 @@ class SlotMemory:
         return mem
 
     def pin(self, device: Any) -> bool:
-        """Page-lock the mapping for ``device``; False (the reason in ``device.why_not``) if refused."""
-        if self._pinned_by is None and self.mm is not None and device.pin(address(self.mm), self.size):
-            self._pinned_by = device
-        return self._pinned_by is not None
+        """Page-lock the mapping for ``device``, piece by piece (see the module docstring); False (the
+        reason in ``device.why_not``, nothing left locked) if refused."""
+        if self._pinned_by is not None or self.mm is None:
+            return self._pinned_by is not None
+        for at, n in pin_pieces(address(self.mm), self.size):
+            with _pin_lock:
+                began = time.monotonic()
+                ok = device.pin(at, n)
+                if ok:
+                    self._pieces.append(at)
+                    time.sleep(min(PIN_PAUSE_MAX_S, time.monotonic() - began))  # the training thread's turn
+            if not ok:
+                self._unpin(device)
+                return False
+        self._pinned_by = device
+        return True
+
+    def _unpin(self, device: Any) -> None:
+        for at in self._pieces:
+            device.unpin(at)
+        self._pieces = []
 
     @property
     def pinned(self) -> bool:
@@ -108,7 +140,7 @@ class SlotMemory:
     def close(self) -> None:
         if self.mm is not None:
             if self._pinned_by is not None:
-                self._pinned_by.unpin(address(self.mm))
+                self._unpin(self._pinned_by)
                 self._pinned_by = None
             try:
                 self.mm.close()

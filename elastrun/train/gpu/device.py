@@ -29,6 +29,37 @@ import torch
 STAGING_MARGIN = 2 << 30
 #: How often :meth:`Device.sync`'s default looks whether an event has passed.
 POLL_S = 0.0005
+#: Host memory is page-locked in pieces that end at absolute multiples of this many bytes (see
+#: ``slotmem.SlotMemory.pin``), and a copy to or from it is cut at the same addresses: one copy never
+#: spans two registrations.
+PIN_CHUNK = 64 << 20
+
+
+def pin_pieces(address: int, nbytes: int) -> list[tuple[int, int]]:
+    """``(address, nbytes)`` of each piece of ``[address, address + nbytes)`` cut at the absolute
+    multiples of :data:`PIN_CHUNK`."""
+    out, at, end = [], address, address + nbytes
+    while at < end:
+        cut = min(end, (at // PIN_CHUNK + 1) * PIN_CHUNK)
+        out.append((at, cut - at))
+        at = cut
+    return out
+
+
+def _host_pieces(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``dst <- src`` as copies that each stay inside one page-locked piece of the host side (flat
+    ``uint8`` views, as the pipeline's copies are; anything else is one copy)."""
+    host = dst if dst.device.type == "cpu" else src
+    if host.device.type != "cpu" or dst.dtype != torch.uint8 or src.dtype != torch.uint8 or dst.dim() != 1:
+        return [(dst, src)]
+    pieces = pin_pieces(host.data_ptr(), host.numel())
+    if len(pieces) == 1:
+        return [(dst, src)]
+    out, at = [], 0
+    for _, n in pieces:
+        out.append((dst[at : at + n], src[at : at + n]))
+        at += n
+    return out
 
 
 class Device(abc.ABC):
@@ -125,7 +156,8 @@ class CudaDevice(Device):
                 torch._foreach_copy_(dst, src, non_blocking=True)  # few kernels for many tensors
             else:
                 for d, s in zip(dst, src, strict=True):
-                    d.copy_(s, non_blocking=True)
+                    for piece_d, piece_s in _host_pieces(d, s):
+                        piece_d.copy_(piece_s, non_blocking=True)
 
     def staging(self, nbytes: int) -> torch.Tensor | None:
         """Room is what the device has free plus what torch's allocator holds beyond the peak the
