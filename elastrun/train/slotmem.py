@@ -15,11 +15,13 @@ state's size is known (:meth:`SlotMemory.make`):
    write into it directly).  Where that is refused (an unprivileged container, a locked-memory
    limit) the slot stays pageable and the caller says so once.
 
-The driver holds a lock through each registration that the training thread's own CUDA calls wait
-for: three 4 GB slots registered whole stalled one training step 3.0-4.1 s on an H100 and an H200
-(1.4-1.9 s for three 1.5 GB slots).  So a mapping is registered in pieces (``PIN_CHUNK``, cut at
-absolute addresses so that a copy can be cut the same way), one piece at a time in the process, each
-followed by a pause as long as it took: the training thread waits for one piece at most.
+Registering a mapping whole stalled the training thread: while three 4 GB slots were registered,
+one step took 3.0-4.1 s on an H100 and an H200 (1.4-1.9 s for three 1.5 GB slots), about the
+registrations' own time (torch lets the interpreter lock go around ``cudaHostRegister``, so the
+training thread's CUDA calls most likely waited on the driver's lock).  So a mapping is registered
+in pieces (``PIN_CHUNK``, cut at absolute addresses so that a copy can be cut the same way), one
+piece at a time in the process, each followed by a pause as long as it took: the training thread
+waits for one piece at most.
 
 Page-locked memory is held until the mapping is closed; the pages of ``/dev/shm`` count against the
 host's memory (and a container's memory limit) whether locked or not.
