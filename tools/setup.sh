@@ -41,8 +41,9 @@ sys.exit(any(u.find_spec(m) is None for m in ('accelerate', 'pytorch_lightning')
     .venv/bin/pip install -q --no-compile "torch==2.13.0" -e ".[dev]"
     env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -W ignore -c "import torch, torch._dynamo, torch.nn.parallel, \
 torch.distributed, torch.distributed.fsdp, torch.distributed.checkpoint, torch.distributed.tensor, torch.optim, \
-torch.utils.data, elastrun.train, elastrun.agent.agent, pytest, xdist, pytest_cov, etcd3gw, websocket, selenium, \
-pytorch_lightning, accelerate" || echo "setup.sh: warming the byte-code cache failed; the first imports compile it" >&2
+torch.distributed.optim, torch.distributed.algorithms.ddp_comm_hooks, torch.distributed.tensor.debug, \
+torch.utils.data, elastrun.train, elastrun.agent.agent, pytest, xdist.dsession, pytest_cov, etcd3gw, websocket, \
+selenium.webdriver, pytorch_lightning, accelerate" || echo "setup.sh: warming the byte-code cache failed; the first imports compile it" >&2
 fi
 if [ -n "$apt_pid" ]; then
     wait "$apt_pid"
