@@ -125,8 +125,18 @@ class MemorySnapshots:
             self._prepared_for = nbytes
 
         refused: list[str] = []
+        # Registrations go one slot after another (slotmem.py: piece by piece, one piece at a time in
+        # the process), so that the first slot is ready first and snapshots can begin.
+        turns = [threading.Event() for _ in range(self.count + 1)]
+        turns[0].set()
 
         def make_slot(slot: int) -> None:
+            try:
+                make_one(slot)
+            finally:
+                turns[slot + 1].set()
+
+        def make_one(slot: int) -> None:
             device.activate()
             with self._lock:
                 m = self._maps.get(slot)
@@ -136,7 +146,9 @@ class MemorySnapshots:
                 self._preparing.add(slot)
             made: SlotMemory | None = None
             try:
-                made = SlotMemory.make(self._data_path(slot), nbytes, device)
+                made = SlotMemory.make(self._data_path(slot), nbytes)  # allocated and mapped: all slots at once
+                turns[slot].wait()
+                made.pin(device)
             except OSError:
                 pass
             finally:
@@ -155,8 +167,9 @@ class MemorySnapshots:
                 self.on_unpinned(refused[0])
 
         def make() -> None:
-            # Every slot at once: each is mostly the kernel zeroing and pinning its pages, which
-            # spreads over the cores (one after the other, a 4 GB state's three slots took 6 s).
+            # Every slot at once: each is mostly the kernel zeroing its pages, which spreads over the
+            # cores (one after the other, a 4 GB state's three slots took 6 s); their registrations
+            # then go in turn (above).
             threads = [threading.Thread(target=make_slot, args=(slot,), name=f"elastrun-make-slot-{slot}",
                                         daemon=True) for slot in range(self.count)]  # fmt: skip
             for t in threads:
