@@ -356,3 +356,32 @@ def test_slots_are_page_locked_piece_by_piece_and_copies_are_cut_the_same_way(tm
         d.copy_(s)
     assert torch.equal(host[100:], src[100:])
     assert len(gdev._host_pieces(host.view(torch.int16), src.view(torch.int16))) == 1  # not bytes: one copy
+
+
+def test_slots_are_made_at_once_and_registered_one_after_another(tmp_path, monkeypatch):
+    """Every slot is allocated and mapped on its own thread, but their registrations go in slot order
+    (piece by piece, one piece at a time in the process): the first slot is ready first, so that
+    snapshots can begin before the last one is page-locked."""
+    from elastrun.train import slotmem
+    from elastrun.train.gpu import device as gdev
+
+    monkeypatch.setattr(gdev, "PIN_CHUNK", 1 << 16)
+    monkeypatch.setattr(slotmem, "PIN_PAUSE_MAX_S", 0.0)
+    order: list[int] = []
+
+    class Recording(FakeDevice):
+        def pin(self, address: int, nbytes: int) -> bool:
+            order.append(address)
+            time.sleep(0.001)  # long enough for another slot's thread to cut in, were it allowed to
+            return super().pin(address, nbytes)
+
+    dev = Recording()
+    mem = MemorySnapshots(tmp_path, "job")
+    mem.count = 3
+    mem.prepare(4 * gdev.PIN_CHUNK, dev, background=False)
+    starts = {slot: slotmem.address(mem._maps[slot].mm) for slot in range(3)}
+    assert all(mem.pinned_memory(slot) for slot in range(3))
+    owner = [next(s for s, a in starts.items() if a <= x < a + 4 * gdev.PIN_CHUNK) for x in order]
+    assert owner == sorted(owner) and set(owner) == {0, 1, 2}, owner
+    mem.close()
+    assert dev.pinned == {}
