@@ -140,9 +140,9 @@ class CudaDevice(Device):
         return bool(event.query())
 
     def sync(self, event: Any) -> None:
-        """Sleeps in the driver until the event has passed, the interpreter lock let go: the helper
+        """Sleeps in the driver until the event has passed, the interpreter lock let go (a helper
         thread that polled every half millisecond took the lock from the training thread 60-250
-        times per snapshot, which a step bound by its host (FSDP2's hooks) pays for."""
+        times per snapshot)."""
         event.synchronize()
 
     def seconds(self, start: Any, end: Any) -> float:
