@@ -256,9 +256,19 @@ def _death_moment(node: Node, failure: dict[str, Any], logs: dict[tuple[str, Any
     later or earlier: it died after both.  An agent short of CPU (a loaded host) reports a death
     late; that delay is the fault's detection, not work the fault cut short.  Without ``alive_at``
     (logs of older agents) the detection stands in, as it did.
+
+    A worker that failed of a peer's closed connection (``peer_error``, the only failure reported
+    when the culprit's own agent stopped its group for the new round before it saw the culprit's
+    death) was alive, waiting on that peer, long after the fault: its last finished step bounds the
+    fault instead (seen on two loaded cores: 0.6 s between the two, which counted as steps the fault
+    cut short instead of its detection).
     """
     exits = [x for x in node.events if x.get("event") == "worker_exit" and float(x["ts"]) <= float(failure["ts"])
              and x.get("round") == failure.get("round") and x.get("local_rank") == failure.get("local_rank")]
+    if failure.get("peer_error"):
+        last = _last_end(logs, node.node, detected, exits[-1].get("pid") if exits else None)
+        if last is not None:
+            return min(detected, last)
     if not exits or exits[-1].get("alive_at") is None:
         return detected
     seen = float(exits[-1]["alive_at"])
