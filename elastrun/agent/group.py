@@ -114,11 +114,13 @@ class WorkerGroup:
         #: How each worker entered the round (``"kept"`` or its start method), and the kept ones' re-forms.
         self._entered: dict[int, str] = {}
         self._reformed: dict[int, tuple[str | None, int]] = {}
+        self._result: RoundResult | None = None  # the round the current workers run in
 
     # ------------------------------------------------------------------ start
     def start(self, result: RoundResult, launches: list[WorkerLaunch]) -> None:
         """Start the round's workers, handing kept (paused) workers their new launch instead."""
         kept = self.session.take_kept()
+        self._result = result
         self.workers, self.trackers, self.statuses, self._exit_reports, self._alive_at = [], {}, {}, {}, {}
         self._entered, self._reformed = {}, {}
         self._silent_since = None
@@ -366,6 +368,7 @@ class WorkerGroup:
         sent SIGABRT at once instead of SIGKILL; it has :data:`DUMP_WAIT` s, while the others are
         paused, to write its stacks before it is killed.  ``quiet``: the caller says who was kept.
         """
+        self._note_deaths()
         if dumping is not None and dumping.poll() is None:
             dumping.send_signal(signal.SIGABRT)
             dumping.send_signal(signal.SIGCONT)
@@ -394,6 +397,21 @@ class WorkerGroup:
         if not quiet:
             self._say_paused(kept)
         return kept
+
+    def _note_deaths(self) -> None:
+        """Record the exit of each worker found dead as the group ends before its death was looked at
+        (the round ended for another reason first: another node's failure report, read from the
+        rendezvous, can come before this node's next look at its own killed worker).  Without this the
+        event log never named that worker's death, and goodput knew the fault only from the peer it
+        cut off."""
+        if self._result is None:
+            return
+        for handle in self.workers:
+            local_rank = handle.launch.local_rank
+            status = handle.poll() if local_rank not in self.statuses else None
+            if status is not None:
+                self.statuses[local_rank] = self._judge_exit(self._result, handle, status)
+                self.report.worker_exit(self._result, handle, self.statuses[local_rank], self._alive_at.get(local_rank))
 
     def _say_paused(self, kept: list[WorkerHandle]) -> None:
         if kept and self.session.pending is not None:

@@ -139,6 +139,23 @@ def test_a_peers_connection_error_seen_first_is_not_the_failure_recorded(setup):
     assert [(e["rank"], e["peer_error"]) for e in s.named("worker_failure")] == [(1, False)]
 
 
+def test_a_worker_found_dead_as_the_group_ends_for_another_node_has_its_exit_recorded(setup):
+    """Rank 1 is SIGKILLed, and before this node looks at it again the rendezvous says another node
+    asked for a new round (its worker failed on the closed connection): the group ends, and rank 1's
+    exit is in the event log all the same (it was missing, and goodput then knew the fault only from
+    the peer it cut off), with no failure recorded for it here."""
+    s = setup()
+    result = round_result()
+    s.group.start(result, s.launches(result))
+    assert s.group.check(result) is None  # both seen running
+    s.starter.started[1].exit(sig=signal.SIGKILL)
+    s.group.end(set(), time.monotonic(), dump=True)  # what the agent does for another node's new round
+    exits = s.named("worker_exit")
+    assert [(e["rank"], e["signal"]) for e in exits] == [(1, "SIGKILL")], exits
+    assert exits[0]["alive_at"] is not None and not s.named("worker_failure")
+    assert signal.SIGKILL not in s.starter.started[1].signals  # dead already: nothing sent to it
+
+
 def test_a_death_after_the_script_returned_is_a_teardown_fault_not_a_failure(setup):
     s = setup(nproc_per_node=1)
     result = round_result(nproc=1)
