@@ -234,6 +234,13 @@ def _describe(index: int, rnd: int | None, ends: list[tuple[Node, Group]], lost_
                      f"rank {e.get('rank')} hung", rnd, n.node, e.get("rank"))
     if cause is not None and cause[1].get("event") == "worker_failure":
         n, e = cause
+        culprit = _killed_peer(ordered, e) if e.get("peer_error") else None
+        if culprit is not None:  # a killed worker whose agent reported no failure: the fault is its death
+            cn, x = culprit
+            seen = float(x.get("alive_at") or detected)
+            last = _last_end(logs, cn.node, detected, x.get("pid"))
+            return Fault(index, "worker_failure", min(detected, max(seen, last if last is not None else seen)),
+                         detected, f"rank {x.get('rank')} killed by {x['signal']}", rnd, cn.node, x.get("rank"))
         how = f"killed by {e['signal']}" if e.get("signal") else f"exit code {e.get('exitcode')}"
         return Fault(index, "worker_failure", _death_moment(n, e, logs, detected), detected,
                      f"rank {e.get('rank')} {how}", rnd, n.node, e.get("rank"))
@@ -246,6 +253,14 @@ def _describe(index: int, rnd: int | None, ends: list[tuple[Node, Group]], lost_
     reason = str(first["restart"][1].get("reason", "")) if first["restart"] else ""
     return Fault(index, "restart", detected, detected, reason or "the group was re-formed", rnd,
                  ends[0][0].node)
+
+
+def _killed_peer(ordered: list[tuple[Node, dict[str, Any]]], failure: dict[str, Any]) -> tuple[Node, dict] | None:
+    """For a failure on a peer's closed connection: the first worker of the same round killed by a
+    signal (``worker_exit``), whose agent recorded its death as its group ended for the new round
+    (``group.py``) without a failure of its own.  A worker killed by a signal did not fail of a peer."""
+    return next(((n, x) for n, x in ordered if x.get("event") == "worker_exit" and x.get("signal")
+                 and x.get("round") == failure.get("round") and x.get("rank") != failure.get("rank")), None)
 
 
 def _death_moment(node: Node, failure: dict[str, Any], logs: dict[tuple[str, Any], ProcessLog],

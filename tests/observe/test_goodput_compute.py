@@ -380,6 +380,34 @@ def test_a_fault_known_only_from_the_peer_it_cut_off_starts_at_that_peers_last_s
     assert fault.detected == pytest.approx(T + 5.65, abs=0.01)
 
 
+def test_a_killed_worker_found_dead_as_its_group_ended_is_named_as_the_fault() -> None:
+    """As above, but host-b's agent records its killed worker's exit as it ends its group for the new
+    round (alive when last seen at 5.01): that death, not the peer it cut off, is the fault."""
+    events = [*two_nodes(),
+              on("host-a", 5.65, "worker_exit", round=0, pid=100, local_rank=0, rank=0, exitcode=1, signal=None,
+                 alive_at=T + 5.6),
+              on("host-a", 5.65, "worker_failure", round=0, rank=0, local_rank=0, exitcode=1, signal=None,
+                 peer_error=True),
+              on("host-a", 5.7, "round_start", after=0),
+              on("host-b", 5.7, "restart", round=0, reason="another node asked for a new round"),
+              on("host-b", 5.7, "worker_exit", round=0, pid=200, local_rank=0, rank=1, exitcode=None,
+                 signal="SIGKILL", alive_at=T + 5.01),
+              on("host-b", 5.7, "round_start", after=0)]
+    for rank, (node, pid) in enumerate((("host-a", 101), ("host-b", 201))):
+        events += [on(node, 5.9, "round_closed", round=1, generation=1, world_size=2, members=["host-a", "host-b"]),
+                   on(node, 5.9, "worker_start", round=1, generation=1, rank=rank, local_rank=0, pid=pid,
+                      start_method="fork"),
+                   on(node, 9.0, "worker_exit", round=1, pid=pid, local_rank=0, exitcode=0, signal=None),
+                   on(node, 9.5, "agent_exit", exitcode=0)]
+    steps = [step(n, 1.0 + 0.5 * n, 1.4 + 0.5 * n, 1.5 + 0.5 * n) for n in range(8)]  # the last ends at 5.0
+    logs = {("host-a", 100): ProcessLog(100, "host-a", T + 1.0, steps),
+            ("host-b", 200): ProcessLog(200, "host-b", T + 1.0, steps)}
+    (fault,) = compute(events, logs).faults
+    assert (fault.kind, fault.label, fault.node, fault.rank) == ("worker_failure", "rank 1 killed by SIGKILL",
+                                                                 "host-b", 1)
+    assert fault.at == pytest.approx(T + 5.01, abs=0.005)
+
+
 def test_an_agent_of_a_job_of_several_nodes_says_its_line_is_its_nodes() -> None:
     """An agent sees its own node's events only: its last line must not pass for the job's figure."""
     alone, with_a_peer = GoodputTracker(), GoodputTracker()
