@@ -129,11 +129,31 @@ _flag_group: list[Any] = []
 _flag_group_refused: list[str] = []
 
 
+#: The largest job given a gloo flag group: gloo connects every rank to every other at the group's
+#: set-up (a socket per peer in each process), which a job of thousands of ranks should not pay for a
+#: few integers per commit.
+FLAG_GROUP_MAX_WORLD = 1024
+
+
 def _gloo_unreachable(world_size: int) -> str:
-    """Why a gloo group would fail to connect this job's nodes, or "".  Gloo binds to the address this
-    host's name resolves to (``GLOO_SOCKET_IFNAME`` unset); on a host whose name resolves to a
-    loopback address (Debian's ``127.0.1.1``) the other nodes cannot reach it, and the group's set-up
-    would wait out its whole timeout.  A job on one host is not concerned."""
+    """Why a gloo group would fail to connect this job's ranks, or should not, or "".
+
+    * Gloo opens a socket to every other rank: more ranks than :data:`FLAG_GROUP_MAX_WORLD`, or than
+      a quarter of this process's descriptor limit, are not given one.
+    * Gloo binds to the address this host's name resolves to (``GLOO_SOCKET_IFNAME`` unset); on a
+      host whose name resolves to a loopback address (Debian's ``127.0.1.1``) the other nodes cannot
+      reach it, and the group's set-up would wait out its whole timeout.  A job on one host is not
+      concerned."""
+    try:
+        import resource
+
+        descriptors = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        descriptors = -1
+    limit = FLAG_GROUP_MAX_WORLD if descriptors < 0 else min(FLAG_GROUP_MAX_WORLD, descriptors // 4)
+    if world_size > limit:
+        return (f"{world_size} ranks: a gloo group would open a socket to each of them in every process "
+                f"(given up to {limit} ranks here)")  # fmt: skip
     if os.environ.get("GLOO_SOCKET_IFNAME"):
         return ""
     local = _env_int("LOCAL_WORLD_SIZE", 0)

@@ -88,3 +88,9 @@ def test_no_gloo_flag_group_where_the_host_name_resolves_to_loopback_on_several_
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
     assert edist._gloo_unreachable(16) == ""
+    # thousands of ranks: a socket to each of them in every process is not paid for a few integers
+    assert "ranks: a gloo group would open a socket" in edist._gloo_unreachable(edist.FLAG_GROUP_MAX_WORLD + 1)
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (256, 4096))
+    assert "given up to 64 ranks" in edist._gloo_unreachable(65) and edist._gloo_unreachable(64) == ""
