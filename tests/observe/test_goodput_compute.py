@@ -244,6 +244,37 @@ def two_nodes(names: tuple[str, str] = ("host-a", "host-b"), pids: tuple[int, in
     return events
 
 
+def round_one(at: float) -> list[dict]:
+    """Both nodes of :func:`two_nodes` in round 1 from ``at``, their workers done at 9.0."""
+    events = []
+    for rank, (node, pid) in enumerate((("host-a", 101), ("host-b", 201))):
+        events += [on(node, at, "round_closed", round=1, generation=1, world_size=2, members=["host-a", "host-b"]),
+                   on(node, at, "worker_start", round=1, generation=1, rank=rank, local_rank=0, pid=pid,
+                      start_method="fork"),
+                   on(node, 9.0, "worker_exit", round=1, pid=pid, local_rank=0, exitcode=0, signal=None),
+                   on(node, 9.5, "agent_exit", exitcode=0)]
+    return events
+
+
+#: Steps of 0.5 s from 1.0, the last ending at 5.0.
+STEPS_TO_5 = [step(n, 1.0 + 0.5 * n, 1.4 + 0.5 * n, 1.5 + 0.5 * n) for n in range(8)]
+
+
+def cut_off_by_a_peer(*at_b: dict) -> list[dict]:
+    """Round 0 of :func:`two_nodes` ends with host-a's worker failing of rank 1's closed connection
+    (``peer_error``, alive until 5.6) and host-b's agent stopping its group for the new round (with
+    ``at_b``, its own events then)."""
+    return [*two_nodes(),
+            on("host-a", 5.65, "worker_exit", round=0, pid=100, local_rank=0, rank=0, exitcode=1, signal=None,
+               alive_at=T + 5.6),
+            on("host-a", 5.65, "worker_failure", round=0, rank=0, local_rank=0, exitcode=1, signal=None,
+               peer_error=True),
+            on("host-a", 5.7, "round_start", after=0),
+            on("host-b", 5.7, "restart", round=0, reason="another node asked for a new round"),
+            *at_b,
+            on("host-b", 5.7, "round_start", after=0)]
+
+
 def test_a_commit_that_a_hung_peer_held_up_is_the_hangs_time_not_commit() -> None:
     """Rank 1 stops (SIGSTOP) after committing step 3 at 5.0; its agent detects the hang at 7.0.
 
@@ -342,12 +373,7 @@ def test_a_fault_is_named_after_its_culprit_not_the_peer_whose_connection_it_clo
               on("host-b", 5.05, "worker_failure", round=0, rank=1, local_rank=0, exitcode=None, signal="SIGKILL",
                  peer_error=False),
               on("host-a", 5.1, "round_start", after=0), on("host-b", 5.1, "round_start", after=0)]
-    for rank, (node, pid) in enumerate((("host-a", 101), ("host-b", 201))):
-        events += [on(node, 5.3, "round_closed", round=1, generation=1, world_size=2, members=["host-a", "host-b"]),
-                   on(node, 5.3, "worker_start", round=1, generation=1, rank=rank, local_rank=0, pid=pid,
-                      start_method="fork"),
-                   on(node, 9.0, "worker_exit", round=1, pid=pid, local_rank=0, exitcode=0, signal=None),
-                   on(node, 9.5, "agent_exit", exitcode=0)]
+    events += round_one(5.3)
     (fault,) = compute(events, {}).faults
     assert (fault.kind, fault.label, fault.node, fault.rank) == ("worker_failure", "rank 1 killed by SIGKILL",
                                                                  "host-b", 1)
@@ -359,22 +385,8 @@ def test_a_fault_known_only_from_the_peer_it_cut_off_starts_at_that_peers_last_s
     until 5.6), and host-b's agent stops its group for the new round before it sees its own worker's
     death: no failure names the culprit.  The fault is placed at the survivor's last finished step
     (5.0), not at its own late end: the 0.6 s in between are the fault's detection."""
-    events = [*two_nodes(),
-              on("host-a", 5.65, "worker_exit", round=0, pid=100, local_rank=0, exitcode=1, signal=None,
-                 alive_at=T + 5.6),
-              on("host-a", 5.65, "worker_failure", round=0, rank=0, local_rank=0, exitcode=1, signal=None,
-                 peer_error=True),
-              on("host-a", 5.7, "round_start", after=0),
-              on("host-b", 5.7, "restart", round=0, reason="another node asked for a new round"),
-              on("host-b", 5.7, "round_start", after=0)]
-    for rank, (node, pid) in enumerate((("host-a", 101), ("host-b", 201))):
-        events += [on(node, 5.9, "round_closed", round=1, generation=1, world_size=2, members=["host-a", "host-b"]),
-                   on(node, 5.9, "worker_start", round=1, generation=1, rank=rank, local_rank=0, pid=pid,
-                      start_method="fork"),
-                   on(node, 9.0, "worker_exit", round=1, pid=pid, local_rank=0, exitcode=0, signal=None),
-                   on(node, 9.5, "agent_exit", exitcode=0)]
-    steps = [step(n, 1.0 + 0.5 * n, 1.4 + 0.5 * n, 1.5 + 0.5 * n) for n in range(8)]  # the last ends at 5.0
-    logs = {("host-a", 100): ProcessLog(100, "host-a", T + 1.0, steps)}
+    events = [*cut_off_by_a_peer(), *round_one(5.9)]
+    logs = {("host-a", 100): ProcessLog(100, "host-a", T + 1.0, STEPS_TO_5)}
     (fault,) = compute(events, logs).faults
     assert fault.kind == "worker_failure" and fault.at == pytest.approx(T + 5.0, abs=0.01), (fault, T)
     assert fault.detected == pytest.approx(T + 5.65, abs=0.01)
@@ -383,25 +395,11 @@ def test_a_fault_known_only_from_the_peer_it_cut_off_starts_at_that_peers_last_s
 def test_a_killed_worker_found_dead_as_its_group_ended_is_named_as_the_fault() -> None:
     """As above, but host-b's agent records its killed worker's exit as it ends its group for the new
     round (alive when last seen at 5.01): that death, not the peer it cut off, is the fault."""
-    events = [*two_nodes(),
-              on("host-a", 5.65, "worker_exit", round=0, pid=100, local_rank=0, rank=0, exitcode=1, signal=None,
-                 alive_at=T + 5.6),
-              on("host-a", 5.65, "worker_failure", round=0, rank=0, local_rank=0, exitcode=1, signal=None,
-                 peer_error=True),
-              on("host-a", 5.7, "round_start", after=0),
-              on("host-b", 5.7, "restart", round=0, reason="another node asked for a new round"),
-              on("host-b", 5.7, "worker_exit", round=0, pid=200, local_rank=0, rank=1, exitcode=None,
-                 signal="SIGKILL", alive_at=T + 5.01),
-              on("host-b", 5.7, "round_start", after=0)]
-    for rank, (node, pid) in enumerate((("host-a", 101), ("host-b", 201))):
-        events += [on(node, 5.9, "round_closed", round=1, generation=1, world_size=2, members=["host-a", "host-b"]),
-                   on(node, 5.9, "worker_start", round=1, generation=1, rank=rank, local_rank=0, pid=pid,
-                      start_method="fork"),
-                   on(node, 9.0, "worker_exit", round=1, pid=pid, local_rank=0, exitcode=0, signal=None),
-                   on(node, 9.5, "agent_exit", exitcode=0)]
-    steps = [step(n, 1.0 + 0.5 * n, 1.4 + 0.5 * n, 1.5 + 0.5 * n) for n in range(8)]  # the last ends at 5.0
-    logs = {("host-a", 100): ProcessLog(100, "host-a", T + 1.0, steps),
-            ("host-b", 200): ProcessLog(200, "host-b", T + 1.0, steps)}
+    killed = on("host-b", 5.7, "worker_exit", round=0, pid=200, local_rank=0, rank=1, exitcode=None,
+                signal="SIGKILL", alive_at=T + 5.01)
+    events = [*cut_off_by_a_peer(killed), *round_one(5.9)]
+    logs = {("host-a", 100): ProcessLog(100, "host-a", T + 1.0, STEPS_TO_5),
+            ("host-b", 200): ProcessLog(200, "host-b", T + 1.0, STEPS_TO_5)}
     (fault,) = compute(events, logs).faults
     assert (fault.kind, fault.label, fault.node, fault.rank) == ("worker_failure", "rank 1 killed by SIGKILL",
                                                                  "host-b", 1)
