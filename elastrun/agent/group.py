@@ -187,9 +187,7 @@ class WorkerGroup:
             if status is None:
                 self._alive_at[handle.launch.local_rank] = polled
             else:
-                status = self._judge_exit(result, handle, status)
-                self.statuses[handle.launch.local_rank] = status
-                self.report.worker_exit(result, handle, status, self._alive_at.get(handle.launch.local_rank))
+                self._record_exit(result, handle, status)
         failed = [(h, self.statuses[h.launch.local_rank]) for h in self.workers
                   if h.launch.local_rank in self.statuses and not self.statuses[h.launch.local_rank].succeeded]
         if failed:
@@ -407,11 +405,15 @@ class WorkerGroup:
         if self._result is None:
             return
         for handle in self.workers:
-            local_rank = handle.launch.local_rank
-            status = handle.poll() if local_rank not in self.statuses else None
+            status = handle.poll() if handle.launch.local_rank not in self.statuses else None
             if status is not None:
-                self.statuses[local_rank] = self._judge_exit(self._result, handle, status)
-                self.report.worker_exit(self._result, handle, self.statuses[local_rank], self._alive_at.get(local_rank))
+                self._record_exit(self._result, handle, status)
+
+    def _record_exit(self, result: RoundResult, handle: WorkerHandle, status: ExitStatus) -> None:
+        """A worker's process ended: its status as the job counts it, and its ``worker_exit`` event."""
+        local_rank = handle.launch.local_rank
+        self.statuses[local_rank] = self._judge_exit(result, handle, status)
+        self.report.worker_exit(result, handle, self.statuses[local_rank], self._alive_at.get(local_rank))
 
     def _say_paused(self, kept: list[WorkerHandle]) -> None:
         if kept and self.session.pending is not None:

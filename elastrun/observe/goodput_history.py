@@ -237,10 +237,8 @@ def _describe(index: int, rnd: int | None, ends: list[tuple[Node, Group]], lost_
         culprit = _killed_peer(ordered, e) if e.get("peer_error") else None
         if culprit is not None:  # a killed worker whose agent reported no failure: the fault is its death
             cn, x = culprit
-            seen = float(x.get("alive_at") or detected)
-            last = _last_end(logs, cn.node, detected, x.get("pid"))
-            return Fault(index, "worker_failure", min(detected, max(seen, last if last is not None else seen)),
-                         detected, f"rank {x.get('rank')} killed by {x['signal']}", rnd, cn.node, x.get("rank"))
+            return Fault(index, "worker_failure", _crash_moment(cn, x, logs, detected), detected,
+                         f"rank {x.get('rank')} killed by {x['signal']}", rnd, cn.node, x.get("rank"))
         how = f"killed by {e['signal']}" if e.get("signal") else f"exit code {e.get('exitcode')}"
         return Fault(index, "worker_failure", _death_moment(n, e, logs, detected), detected,
                      f"rank {e.get('rank')} {how}", rnd, n.node, e.get("rank"))
@@ -284,10 +282,18 @@ def _death_moment(node: Node, failure: dict[str, Any], logs: dict[tuple[str, Any
         last = _last_end(logs, node.node, detected, exits[-1].get("pid") if exits else None)
         if last is not None:
             return min(detected, last)
-    if not exits or exits[-1].get("alive_at") is None:
+    return _crash_moment(node, exits[-1], logs, detected) if exits else detected
+
+
+def _crash_moment(node: Node, exit_: dict[str, Any], logs: dict[tuple[str, Any], ProcessLog],
+                  detected: float) -> float:
+    """The later of when the worker of ``exit_`` (a ``worker_exit``) was last seen running and the end
+    of its last step record: it died after both (and by ``detected``, which stands in without
+    ``alive_at``)."""
+    if exit_.get("alive_at") is None:
         return detected
-    seen = float(exits[-1]["alive_at"])
-    last = _last_end(logs, node.node, detected, exits[-1].get("pid"))
+    seen = float(exit_["alive_at"])
+    last = _last_end(logs, node.node, detected, exit_.get("pid"))
     return min(detected, max(seen, last if last is not None else seen))
 
 
