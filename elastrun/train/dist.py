@@ -121,7 +121,7 @@ def comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-#: The gloo group :func:`maxima` uses beside an NCCL default group, and that default group (or empty).
+#: The gloo group :func:`maxima` uses beside an NCCL default group (None: refused), and that default group.
 _flag_group: list[Any] = []
 
 
@@ -193,19 +193,17 @@ def flag_group() -> Any:
     said once), None: flags then go over NCCL, as before."""
     if not dist.is_initialized() or not _needs_flag_group() or not dist.is_gloo_available():
         return None
-    why = _gloo_unreachable(dist.get_world_size())
-    if why:
-        if not _flag_group_refused:
-            _flag_group_refused.append(why)
-            notes.warn(f"commit()'s flags go over NCCL, and each commit waits for the GPU to finish the step: {why}",
-                       stacklevel=3)  # fmt: skip
-        return None
     c10d = dist.distributed_c10d
     default = c10d._get_default_group()
     live = getattr(getattr(c10d, "_world", None), "pg_map", None)  # the groups not destroyed
-    if _flag_group and _flag_group[1] is default and (live is None or _flag_group[0] in live):
-        return _flag_group[0]
-    _flag_group[:] = [dist.new_group(backend="gloo"), default]
+    if _flag_group and _flag_group[1] is default and (_flag_group[0] is None or live is None or _flag_group[0] in live):
+        return _flag_group[0]  # decided for this default group (every commit asks: no host name lookup here)
+    why = _gloo_unreachable(dist.get_world_size())
+    if why and not _flag_group_refused:
+        _flag_group_refused.append(why)
+        notes.warn(f"commit()'s flags go over NCCL, and each commit waits for the GPU to finish the step: {why}",
+                   stacklevel=3)  # fmt: skip
+    _flag_group[:] = [None if why else dist.new_group(backend="gloo"), default]
     return _flag_group[0]
 
 
