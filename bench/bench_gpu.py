@@ -371,11 +371,11 @@ def crash(model: str, mode: str, *extra: str, timeout: float = 240.0) -> dict:
         # started the replacement.
         files = (work / "logs").glob("**/events-*.jsonl")
         events = [json.loads(line) for f in files for line in f.read_text().splitlines()]
-        def first(kind: str) -> float | None:
+        def earliest(kind: str) -> float | None:
             return min((e["ts"] for e in events if e["event"] == kind and e["ts"] >= kill["t"]), default=None)
 
-        agent = [(name, t) for name, t in (("agent_saw_exit", first("worker_exit")),
-                                           ("worker_started", first("worker_start"))) if t is not None]
+        agent = [(name, t) for name, t in (("agent_saw_exit", earliest("worker_exit")),
+                                           ("worker_started", earliest("worker_start"))) if t is not None]
         out["breakdown_s"] = {name: round(t - kill["t"], 3) for name, t in agent + marks}
         # The agent's own account of the restart ("workers running again N s after the failure").
         out["agent"] = [line for line in proc.stderr.splitlines() if "again" in line or "formed" in line][-3:]
