@@ -11,11 +11,15 @@ child process fails, so the fast tier (``tools/test.sh --fast``) stays what its 
 from __future__ import annotations
 
 import _posixsubprocess
+import fcntl
+import hashlib
 import json
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -242,3 +246,33 @@ def agents(tmp_path, request):
         c.cleanup()
         if why:
             evidence.keep(tmp_path, why, request.node.name, move=False)
+
+
+@pytest.fixture(scope="session")
+def once(tmp_path_factory) -> Callable[[tuple, Callable[[], Any]], Any]:
+    """``once(key, compute)``: ``compute()``'s result (JSON), computed once per test run for each ``key``.
+
+    For what is a pure function of its key and costs a job to learn, such as the parameters of a fault-free
+    training run that the faulted runs must equal bit for bit.  Shared by the xdist workers of one run
+    through its base directory, with a file lock per key: the first test to ask computes, the others wait
+    for it and read its result.  A failed ``compute`` stores nothing: the next to ask tries again.
+    """
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's base is popen-gwN, inside this run's directory
+        shared = shared.parent
+    root = shared / "once"
+    root.mkdir(exist_ok=True)
+
+    def get(key: tuple, compute: Callable[[], Any]) -> Any:
+        name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+        result = root / f"{name}.json"
+        with open(root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not result.exists():
+                value = compute()
+                partial = result.with_suffix(".partial")
+                partial.write_text(json.dumps(value))
+                partial.rename(result)
+            return json.loads(result.read_text())
+
+    return get

@@ -35,10 +35,14 @@ def launch(tmp_path, flags: list[str], script: str, timeout: float = 120.0, **en
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_abort_after_the_script_returned_keeps_exit_0(tmp_path, method):
+    """Rank 1 aborts in ``atexit``, after its script returned: exit 0, a warning, no restart.  Every rank
+    first forms and destroys a gloo group: the guard against the destructor deadlock is in place however
+    the script imports ``torch.distributed`` (once a test of its own, one more job per start method)."""
     logs = tmp_path / "logs"
     proc, _ = launch(tmp_path, ["--nproc-per-node=2", f"--start-method={method}", f"--log-dir={logs}"], TEARDOWN,
-                     TEARDOWN="abort-after", TEARDOWN_RANK="1")
+                     TEARDOWN="abort-after", TEARDOWN_RANK="1", GUARD_PROBE="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("guarded True True True") == 2, proc.stdout
     assert "work done 0" in proc.stdout and "work done 1" in proc.stdout
     warning = re.search(r"rank 1 killed by SIGABRT .* after its script returned with exit code 0", proc.stderr)
     assert warning, proc.stderr[-3000:]
@@ -71,8 +75,8 @@ def test_ddp_model_freed_after_the_last_allreduce_always_ends_clean(tmp_path):
 
     One run per shape: the race's rate is measured by ``bench/bench_teardown.py`` (torchrun: 7
     failures in 220 runs; elastrun: 0), and the two mechanisms that remove it are checked
-    deterministically here (the bootstrap's exit: the abort/hang tests above; the guard:
-    ``test_destroyed_groups_are_kept_until_the_exit``).  This is the end-to-end DDP case.
+    deterministically here (the bootstrap's exit: the abort/hang tests above; the guard: the abort-after
+    test's probe).  This is the end-to-end DDP case.
     """
     runs, nproc = 2, 4
     for i in range(runs):
@@ -96,26 +100,3 @@ def test_native_output_is_flushed_before_the_exit(tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "native line 7" in proc.stdout
-
-
-GUARD_PROBE = """
-from torch.distributed import destroy_process_group as imported_early
-import torch.distributed as dist
-from elastrun.worker import pg_guard
-dist.init_process_group("gloo")
-group = dist.group.WORLD
-dist.destroy_process_group()
-print("guarded", getattr(imported_early, "__elastrun_keeps_groups__", False),
-      getattr(dist.destroy_process_group, "__elastrun_keeps_groups__", False),
-      any(g is group for g in pg_guard.KEPT), flush=True)
-"""
-
-
-@pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_destroyed_groups_are_kept_until_the_exit(tmp_path, method):
-    """The guard against the destructor deadlock is in place however the script imports torch.distributed."""
-    script = tmp_path / "guard_probe.py"
-    script.write_text(GUARD_PROBE)
-    proc, _ = launch(tmp_path, ["--nproc-per-node=2", f"--start-method={method}"], str(script))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.count("guarded True True True") == 2, proc.stdout

@@ -16,13 +16,19 @@ import pytest
 from tests.chaos import verify
 from tests.chaos.faults import Fault
 from tests.chaos.harness import JobSpec
-from tests.chaos.run import run_job
+from tests.chaos.run import reference_sha, run_job
 from tests.evidence import EVIDENCE_ENV
 from tests.rendezvous.etcd_cluster import etcd_available
 
 pytestmark = pytest.mark.e2e
 
 LOOPBACK = ("worker_kill", "worker_exit", "worker_hang", "agent_kill", "agent_term", "node_join", "slow_node")
+
+
+@pytest.fixture
+def reference(once):
+    """The failure-free parameters of a chaos job's size, run once per test run for each size."""
+    return lambda *size: once(("chaos reference", *size), lambda: reference_sha(*size))
 
 
 def _check(result) -> None:
@@ -39,8 +45,8 @@ def _check_kept(result) -> None:
     assert not [c for f in result.faults for c in f.fallbacks if c.endswith("no event names it")], result.summary()
 
 
-def test_c10d_mixed_faults_through_et_run():
-    result = run_job(JobSpec(backend="c10d", seed=3, faults=8, kinds=LOOPBACK, reform=True))
+def test_c10d_mixed_faults_through_et_run(reference):
+    result = run_job(JobSpec(backend="c10d", seed=3, faults=8, kinds=LOOPBACK, reform=True), reference)
     _check(result)
     _check_kept(result)
     assert len(result.faults) >= 8
@@ -51,9 +57,9 @@ def test_c10d_mixed_faults_through_et_run():
 
 @pytest.mark.etcd
 @pytest.mark.skipif(not etcd_available(), reason="no etcd binary (apt-get install etcd-server)")
-def test_etcd_any_node_and_a_member_may_die():
+def test_etcd_any_node_and_a_member_may_die(reference):
     kinds = ("worker_hang", "agent_kill", "etcd_kill", "node_join")
-    result = run_job(JobSpec(backend="etcd", seed=2, faults=4, kinds=kinds))
+    result = run_job(JobSpec(backend="etcd", seed=2, faults=4, kinds=kinds), reference)
     _check(result)
     assert any(c.name == "no keys left in etcd" for c in result.checks)
 
@@ -63,11 +69,11 @@ def test_etcd_any_node_and_a_member_may_die():
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                     reason="network namespaces need root and iproute2 (CI runs as root)")
 @pytest.mark.skipif(not etcd_available(), reason="no etcd binary (apt-get install etcd-server)")
-def test_partitioned_node_across_namespaces():
+def test_partitioned_node_across_namespaces(reference):
     """The survivors of a cut-off peer are blocked in a collective on a silent (not closed)
     connection: under ``et.run`` they must still leave it and keep their process."""
     result = run_job(JobSpec(backend="etcd", netns=True, seed=1, faults=2, kinds=("partition", "worker_kill"),
-                             reform=True))
+                             reform=True), reference)
     _check(result)
     _check_kept(result)
     assert "partition" in {f.kind for f in result.faults}, result.summary()
@@ -101,11 +107,12 @@ def test_invariants_catch_a_lost_step_and_diverged_ranks():
     assert not wrong.ok and "generation 1 committed" in wrong.detail, wrong.detail
 
 
-def test_faults_beyond_the_budget_fail_with_a_summary(tmp_path, monkeypatch):
+def test_faults_beyond_the_budget_fail_with_a_summary(tmp_path, monkeypatch, reference):
     """More failures than --max-restarts: the job stops and the result says why (no hang, nothing
     left), and the run's evidence is kept where the summary says."""
     monkeypatch.setenv(EVIDENCE_ENV, str(tmp_path))
-    result = run_job(JobSpec(backend="c10d", seed=5, faults=3, kinds=("worker_kill",), max_restarts=1, nodes=2))
+    spec = JobSpec(backend="c10d", seed=5, faults=3, kinds=("worker_kill",), max_restarts=1, nodes=2)
+    result = run_job(spec, reference)
     assert not result.ok
     finished = next(c for c in result.checks if c.name == "job finished")
     assert not finished.ok and "restart budget (--max-restarts=1) is spent" in finished.detail, result.summary()
@@ -116,13 +123,13 @@ def test_faults_beyond_the_budget_fail_with_a_summary(tmp_path, monkeypatch):
     assert list(result.evidence.glob("logs/events-*.jsonl")) and list(result.evidence.glob("data/steps.*.jsonl"))
 
 
-def test_a_stall_is_a_violation_and_its_stacks_are_taken_before_anything_is_killed(tmp_path, monkeypatch):
+def test_a_stall_is_a_violation_and_its_stacks_are_taken_before_anything_is_killed(tmp_path, monkeypatch, reference):
     """A worker hangs and its agent takes longer than the stall bound to see it: while the job is
     stalled the harness takes every process's stacks (they live on), then fails the stall invariant
     and keeps the work directory."""
     monkeypatch.setenv(EVIDENCE_ENV, str(tmp_path))
     result = run_job(JobSpec(backend="c10d", seed=1, faults=1, kinds=("worker_hang",), stall_after=1.5,
-                             hang_timeout=5.0, nodes=2))
+                             hang_timeout=5.0, nodes=2), reference)
     stall = next(c for c in result.checks if c.name == "steps again after every fault (no stall)")
     assert not stall.ok and "stall: no committed step for" in stall.detail, result.summary()
     assert result.evidence is not None, result.summary()

@@ -31,14 +31,11 @@ def final(out):
     return json.loads((out / "final.json").read_text())
 
 
-def test_crashes_at_random_points_end_bit_for_bit_equal(work, procs):
+def test_crashes_at_random_points_end_bit_for_bit_equal(work, procs, uninterrupted):
     """Requirement 6 plus restore-from-memory, the torn snapshot copy and zero lost commits."""
-    clean, crashed = work / "clean", work / "crashed"
-    clean.mkdir()
+    crashed = work / "crashed"
     crashed.mkdir()
     args = ["--ddp", "--ckpt", "CKPT", "--every", "5"]
-    rc = procs.run(standalone(clean, [a.replace("CKPT", str(clean / "ck")) for a in args]), work / "clean.log")
-    assert rc == 0, (work / "clean.log").read_text()[-3000:]
 
     seed = int(os.environ.get("ELASTRUN_TEST_SEED", random.randrange(1 << 30)))
     rnd = random.Random(seed)
@@ -72,32 +69,29 @@ def test_crashes_at_random_points_end_bit_for_bit_equal(work, procs):
             # lost" holds a step to the same rule: docs/train.md).
             allowed = {"after": {step}, "copy": {step - 1}, "before": {step - 1, step - 2}}[kind]
             assert r["step"] in allowed, (seed, crashes, attempt, r)
-    assert final(crashed) == final(clean), f"seed {seed}, crashes {crashes}: parameters differ"
+    assert final(crashed) == uninterrupted(["--ddp"]), f"seed {seed}, crashes {crashes}: parameters differ"
     assert_exactly_once(crashed, SAMPLES, EPOCHS)
 
 
-def test_sparse_snapshots_redo_lost_steps_bit_for_bit(work, procs):
+def test_sparse_snapshots_redo_lost_steps_bit_for_bit(work, procs, uninterrupted):
     """``snapshot_every=4``: a crash after step 11 restarts from step 8 (memory); steps 9-11 are
     redone with the same data and RNG, so the run still ends equal to an uninterrupted one."""
-    clean, crashed = work / "clean", work / "crashed"
-    clean.mkdir()
+    crashed = work / "crashed"
     crashed.mkdir()
-    rc = procs.run(standalone(clean, ["--ddp"]), work / "clean.log")
-    assert rc == 0, (work / "clean.log").read_text()[-3000:]
     cmd = standalone(crashed, ["--ddp", "--snapshot-every", "4", "--crash=0:1:11:after"], flags=("--max-restarts=1",))
     rc = procs.run(cmd, work / "crashed.log")
     assert rc == 0, (work / "crashed.log").read_text()[-3000:]
     assert {(v["source"], v["step"]) for k, v in restores(crashed).items() if k[0] == 1} == {("memory", 8)}
-    assert final(crashed) == final(clean), "parameters differ"
+    assert final(crashed) == uninterrupted(["--ddp"]), "parameters differ"
     assert_exactly_once(crashed, SAMPLES, EPOCHS)
 
 
-def test_preemption_checkpoints_and_restores_from_disk(work, procs):
+def test_preemption_checkpoints_and_restores_from_disk(work, procs, uninterrupted):
     """SIGTERM: the step in flight finishes, a checkpoint is made, workers exit 0; a new job
     (fresh node memory) restores from disk and ends equal to an uninterrupted run."""
     ck = work / "ck"
-    first, second, clean = work / "first", work / "second", work / "clean"
-    for d in (first, second, clean):
+    first, second = work / "first", work / "second"
+    for d in (first, second):
         d.mkdir()
     agent = procs.start(standalone(first, ["--ckpt", str(ck), "--every", "5", "--sleep", "0.25"]), work / "first.log")
     wait_for(lambda: len(committed_steps(first)) >= 7, 60, "7 steps")
@@ -114,9 +108,7 @@ def test_preemption_checkpoints_and_restores_from_disk(work, procs):
     assert rc == 0, (work / "second.log").read_text()[-3000:]
     assert {v["source"] for v in restores(second).values()} == {"disk"}
     assert {v["step"] for v in restores(second).values()} == {stop}
-    rc = procs.run(standalone(clean, []), work / "clean.log")
-    assert rc == 0
-    assert final(second) == final(clean)
+    assert final(second) == uninterrupted([])
 
 
 def test_corrupt_and_truncated_checkpoints_fall_back(work, procs):

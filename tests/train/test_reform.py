@@ -35,15 +35,6 @@ def final(out: Path) -> dict:
     return json.loads((out / "final.json").read_text())
 
 
-def clean_run(work: Path, procs, args: list[str]) -> dict:
-    """The uninterrupted run the others must equal (without et.run: the modes must agree too)."""
-    out = work / "clean"
-    out.mkdir()
-    rc = procs.run(standalone(out, args), work / "clean.log")
-    assert rc == 0, (work / "clean.log").read_text()[-3000:]
-    return final(out)
-
-
 def events(log: Path, kind: str) -> list[dict]:
     found = []
     for line in log.read_text().splitlines():
@@ -61,11 +52,11 @@ def stopped(pid: int) -> bool:
         return False
 
 
-def test_worker_crashes_survivor_keeps_process_bit_for_bit(work, procs):
+def test_worker_crashes_survivor_keeps_process_bit_for_bit(work, procs, uninterrupted):
     """Two crashes in a row: each time the other rank keeps its PID; a clean survivor rolls back
     from its own objects ("live"), a torn one (crash after the survivor's optimizer step) from
     node memory; the end equals an uninterrupted run."""
-    expected = clean_run(work, procs, ["--ddp"])
+    expected = uninterrupted(["--ddp"])
     out = work / "out"
     out.mkdir()
     args = ["--ddp", "--reform", "--crash=0:1:5:after", "--crash=1:0:9:before"]
@@ -90,10 +81,10 @@ def test_worker_crashes_survivor_keeps_process_bit_for_bit(work, procs):
     assert_exactly_once(out, SAMPLES, 2)
 
 
-def test_spawned_workers_reform_too(work, procs):
+def test_spawned_workers_reform_too(work, procs, uninterrupted):
     """``--start-method spawn`` (no warm pool): the survivor keeps its process, the restarted rank is
     exec'd, and the result is still bit-for-bit the uninterrupted one."""
-    expected = clean_run(work, procs, [])
+    expected = uninterrupted([])
     out = work / "out"
     out.mkdir()
     flags = ("--max-restarts=1", "--start-method=spawn", f"--log-dir={work / 'logs'}", "--tee=3")
@@ -112,12 +103,12 @@ def test_spawned_workers_reform_too(work, procs):
     assert final(out) == expected
 
 
-def test_survivor_leaves_collective_blocked_on_stopped_peer(work, procs):
+def test_survivor_leaves_collective_blocked_on_stopped_peer(work, procs, uninterrupted):
     """A SIGSTOPped rank blocks the other in a collective; the hang detector dumps and kills the
     stopped one at once (the other, silent too, is not blamed); the blocked survivor leaves its
     collective (its group's connections are shut down) and keeps its process; the job ends equal
     to an uninterrupted one."""
-    expected = clean_run(work, procs, ["--ddp"])
+    expected = uninterrupted(["--ddp"])
     out = work / "out"
     out.mkdir()
     flags = ("--max-restarts=1", "--hang-timeout=2")
@@ -174,10 +165,10 @@ def test_a_hang_across_two_nodes_blames_one_rank_and_the_blocked_peer_keeps_its_
     assert got[(1, 0)]["pid"] == got[(0, 0)]["pid"] and got[(1, 1)]["pid"] != victim, got
 
 
-def test_survivor_that_cannot_leave_is_restarted(work, procs):
+def test_survivor_that_cannot_leave_is_restarted(work, procs, uninterrupted):
     """Fallback: a survivor that does not answer the pause (SIGSTOPped) within --reform-timeout is
     killed and restarted as today; the job still ends bit-for-bit equal to an uninterrupted run."""
-    expected = clean_run(work, procs, ["--ddp"])
+    expected = uninterrupted(["--ddp"])
     out = work / "out"
     out.mkdir()
     flags = ("--max-restarts=1", "--reform-timeout=1")

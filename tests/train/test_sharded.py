@@ -49,15 +49,12 @@ def digests(out: Path) -> dict[int, set[str]]:
     return found
 
 
-def test_fsdp_crashes_end_bit_for_bit_equal(work, procs):
+def test_fsdp_crashes_end_bit_for_bit_equal(work, procs, uninterrupted):
     """Crashes after a commit, before one, in the middle of a snapshot copy and after a truncated
     snapshot: each restart restores every rank's shard from node memory (the truncated one is
     detected and the step before used) and the run ends equal to an uninterrupted one."""
-    clean, crashed = work / "clean", work / "crashed"
-    clean.mkdir()
+    crashed = work / "crashed"
     crashed.mkdir()
-    rc = procs.run(standalone(clean, ["--fsdp"]), work / "clean.log")
-    assert rc == 0, (work / "clean.log").read_text()[-3000:]
     crashes = ["0:1:4:after", "1:0:7:copy", "2:1:10:before", "3:0:15:after"]
     args = ["--fsdp", *(f"--crash={c}" for c in crashes), "--truncate=3:0:15"]
     rc = procs.run(standalone(crashed, args, flags=("--max-restarts=4", "--crash-loop-limit=0")), work / "run.log")
@@ -72,7 +69,7 @@ def test_fsdp_crashes_end_bit_for_bit_equal(work, procs):
         assert step in steps, (attempt, got)
         for rank in (0, 1):
             assert got[(attempt, rank)]["sha256"] in digests(crashed)[step], "restored state differs from the commit"
-    assert final(crashed) == final(clean), "parameters differ from the uninterrupted run"
+    assert final(crashed) == uninterrupted(["--fsdp"]), "parameters differ from the uninterrupted run"
     assert_exactly_once(crashed, SAMPLES, EPOCHS)
 
 
@@ -446,14 +443,10 @@ def test_dcp_storage_in_node_memory(work, procs):
     assert loaded == {"source": "memory", "sha256": json.loads((out / "saved.json").read_text())["sha256"]}, log
 
 
-def test_fsdp_survivor_keeps_its_process_bit_for_bit(work, procs):
+def test_fsdp_survivor_keeps_its_process_bit_for_bit(work, procs, uninterrupted):
     """``et.run`` with the FSDP2 model built and sharded inside ``fn`` (``state.attach``): after a
     worker crash the survivor keeps its process, re-shards a new model on the new group and loads its
     shard from node memory; the run ends equal to an uninterrupted one."""
-    clean = work / "clean"
-    clean.mkdir()
-    rc = procs.run(standalone(clean, ["--fsdp"]), work / "clean.log")
-    assert rc == 0, (work / "clean.log").read_text()[-3000:]
     out = work / "out"
     out.mkdir()
     args = ["--fsdp", "--reform", "--crash=0:1:5:after"]
@@ -464,7 +457,7 @@ def test_fsdp_survivor_keeps_its_process_bit_for_bit(work, procs):
     assert got[(1, 0)]["pid"] == got[(0, 0)]["pid"] and got[(1, 1)]["pid"] != got[(0, 1)]["pid"], got
     assert {(got[(1, r)]["source"], got[(1, r)]["step"]) for r in (0, 1)} == {("memory", 5)}, got
     assert "re-formed in process" in log, log[-3000:]
-    assert final(out) == final(clean), "parameters differ from the uninterrupted run"
+    assert final(out) == uninterrupted(["--fsdp"]), "parameters differ from the uninterrupted run"
     assert_exactly_once(out, SAMPLES, EPOCHS)
 
 
