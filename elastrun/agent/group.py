@@ -184,7 +184,7 @@ class WorkerGroup:
             status = handle.poll()
             if status is None:
                 status = self._teardown_overdue(handle)
-            if status is None:
+            if status is None and not handle.dying():
                 self._alive_at[handle.launch.local_rank] = polled
             else:
                 self._record_exit(result, handle, status)

@@ -55,6 +55,9 @@ class StandInHandle(WorkerHandle):
     def frozen(self) -> bool:
         return self.is_frozen
 
+    def dying(self) -> bool:
+        return False  # a stand-in ends at once (exit): never seen on its way out
+
     def dump_stacks(self) -> bool:
         self.dumps += 1
         return self._status is None

@@ -125,6 +125,13 @@ class WorkerHandle(abc.ABC):
             return False
         return state in (b"T", b"t", b"D")
 
+    def dying(self) -> bool:
+        """Whether the worker's process is on its way out though not yet reaped: a SIGKILL pending, or the
+        kernel tearing it down.  On a loaded host that can last a second or more after the kill (seen: 1.2 s
+        on two busy cores), and such a process runs none of its script: the agent does not count it as seen
+        running (``worker_exit``'s ``alive_at``, which places a crash in time).  False when unknown."""
+        return process_dying(self.pid)
+
     def dump_stacks(self) -> bool:
         """Ask the worker for every thread's Python stack, written to its stderr, without ending it
         (:mod:`elastrun.shared.stackdump`); False when it cannot be asked (no handler yet, not Python, gone)."""
@@ -173,3 +180,40 @@ class WorkerStarter(abc.ABC):
 
     def close(self) -> None:
         """Stop helper processes; called once when the agent exits."""
+
+
+#: ``PF_EXITING`` in ``/proc/PID/stat``'s flags: set once the kernel began ending the process, kept in a zombie.
+_PF_EXITING = 0x4
+#: SIGKILL's bit in ``/proc/PID/status``'s pending-signal masks.
+_SIGKILL_BIT = 1 << (9 - 1)
+
+
+def process_dying(pid: int) -> bool:
+    """Whether process ``pid`` exits now or has a SIGKILL pending (:func:`on_its_way_out`); False when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            status = fh.read()
+    except OSError:
+        return False
+    return on_its_way_out(stat, status)
+
+
+def on_its_way_out(stat: bytes, status: bytes) -> bool:
+    """From a process's ``/proc/PID/stat`` and ``/proc/PID/status``: whether it exits now, or a SIGKILL
+    waits for it (for the process, ``ShdPnd``, or its main thread, ``SigPnd``).  False on text it cannot read."""
+    try:
+        flags = int(stat.rsplit(b")", 1)[1].split()[6])
+    except (IndexError, ValueError):
+        flags = 0
+    if flags & _PF_EXITING:
+        return True
+    for line in status.splitlines():
+        if line.startswith((b"SigPnd:", b"ShdPnd:")):
+            try:
+                if int(line.split(b":", 1)[1].strip(), 16) & _SIGKILL_BIT:
+                    return True
+            except ValueError:
+                continue
+    return False

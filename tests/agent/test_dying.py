@@ -1,0 +1,58 @@
+"""A worker on its way out is not "seen running": a SIGKILL pending or the kernel ending the process.
+
+The agent records when it last saw each worker running (``worker_exit``'s ``alive_at``); goodput places a
+crash no earlier than that.  On a loaded host a SIGKILLed process can stay unreaped for a second or more,
+which once put a crash 1.2 s late and counted that second as steps the fault cut short instead of its
+detection (``test_goodput_accuracy``).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elastrun.agent.workers.starter import on_its_way_out, process_dying
+
+#: The shape of a real ``/proc/PID/stat`` (a command name with a space and a parenthesis, as Python allows).
+STAT = b"4242 (python x) y) S 1 4242 4242 0 -1 %d 100 0 0 0 5 1 0 0 20 0 3 0 777 1000 10 0\n"
+STATUS = b"Name:\tpython\nState:\tS (sleeping)\nSigPnd:\t%s\nShdPnd:\t%s\nSigBlk:\t0000000000000000\n"
+NONE = b"0000000000000000"
+KILL = b"0000000000000100"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("flags", "sig_pending", "shared_pending", "expected"), [
+    (0x400000, NONE, NONE, False),  # running: PF_RANDOMIZE only
+    (0x400004, NONE, NONE, True),  # PF_EXITING: being torn down, or a zombie
+    (0x400000, KILL, NONE, True),  # a SIGKILL for its main thread
+    (0x400000, NONE, KILL, True),  # a SIGKILL for the process
+    (0x400000, b"0000000000004000", NONE, False),  # SIGTERM pending: the script may still run (its handler)
+])
+def test_the_proc_files_tell_a_process_on_its_way_out(flags, sig_pending, shared_pending, expected):
+    assert on_its_way_out(STAT % flags, STATUS % (sig_pending, shared_pending)) is expected
+
+
+@pytest.mark.unit
+def test_unreadable_text_is_not_a_death():
+    assert on_its_way_out(b"", b"") is False
+    assert on_its_way_out(b"1 (x) S 1 2", b"SigPnd:\tzz\n") is False
+
+
+@pytest.mark.e2e
+def test_a_killed_unreaped_child_is_dying_and_a_running_one_is_not():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert process_dying(child.pid) is False
+        child.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10  # not reaped (no wait): it stays a zombie, PF_EXITING set
+        while not process_dying(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process_dying(child.pid) is True
+    finally:
+        child.kill()
+        child.wait(10)
+    assert process_dying(child.pid) is False  # reaped: gone, unknown
