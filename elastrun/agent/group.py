@@ -184,8 +184,9 @@ class WorkerGroup:
             status = handle.poll()
             if status is None:
                 status = self._teardown_overdue(handle)
-            if status is None and not handle.dying():
-                self._alive_at[handle.launch.local_rank] = polled
+            if status is None:
+                if not handle.dying():  # a worker on its way out runs none of its script
+                    self._alive_at[handle.launch.local_rank] = polled
             else:
                 self._record_exit(result, handle, status)
         failed = [(h, self.statuses[h.launch.local_rank]) for h in self.workers

@@ -30,6 +30,8 @@ class StandInHandle(WorkerHandle):
         self.closed = False
         #: What :meth:`frozen` answers (a test sets it: the worker is "stopped").
         self.is_frozen = False
+        #: What :meth:`dying` answers (a test sets it: a SIGKILL pending, not yet reaped).
+        self.is_dying = False
         #: How many times its stacks were asked for (:meth:`dump_stacks`).
         self.dumps = 0
 
@@ -56,7 +58,7 @@ class StandInHandle(WorkerHandle):
         return self.is_frozen
 
     def dying(self) -> bool:
-        return False  # a stand-in ends at once (exit): never seen on its way out
+        return self.is_dying
 
     def dump_stacks(self) -> bool:
         self.dumps += 1

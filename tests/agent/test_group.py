@@ -156,6 +156,25 @@ def test_a_worker_found_dead_as_the_group_ends_for_another_node_has_its_exit_rec
     assert signal.SIGKILL not in s.starter.started[1].signals  # dead already: nothing sent to it
 
 
+def test_a_worker_on_its_way_out_is_not_seen_running(setup):
+    """A worker with a SIGKILL pending (or torn down by the kernel), not yet reaped, is still the group's
+    and still running as far as its handle can tell; it is not counted as seen running: its exit's
+    ``alive_at`` is the look before the kill, which goodput takes as the earliest moment of the crash."""
+    s = setup()
+    result = round_result()
+    s.group.start(result, s.launches(result))
+    assert s.group.check(result) is None  # both seen running
+    time.sleep(0.01)  # alive_at is logged to 0.1 ms
+    before = time.time()
+    s.starter.started[1].is_dying = True
+    assert s.group.check(result) is None  # not reaped yet: the group runs on
+    s.starter.started[1].exit(sig=signal.SIGKILL)
+    end = s.group.check(result)
+    assert end is not None and end.outcome is Outcome.FAILED
+    [exit_] = [e for e in s.named("worker_exit") if e["rank"] == 1]
+    assert exit_["alive_at"] is not None and exit_["alive_at"] < before, (exit_, before)
+
+
 def test_a_death_after_the_script_returned_is_a_teardown_fault_not_a_failure(setup):
     s = setup(nproc_per_node=1)
     result = round_result(nproc=1)
