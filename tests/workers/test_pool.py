@@ -225,6 +225,7 @@ SLEEPER = textwrap.dedent(
 
 
 def test_no_orphans_after_agent_sigkill(tmp_path):
+    """A SIGKILLed agent (the default start method) leaves neither its template nor its workers running."""
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
     agent = subprocess.Popen(
