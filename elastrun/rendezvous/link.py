@@ -112,6 +112,8 @@ class _Outgoing:
     nonce: str = ""
     deadline: float | None = None
     buf: bytes = b""
+    #: Why the link ended (phase done): what a test or a debugger reads when no death was declared.
+    why: str = ""
 
 
 @dataclass
@@ -234,7 +236,8 @@ class Link:
             if out.phase == "retry":
                 self._connect(out)
             else:
-                self._finish(out, "done")  # no answer: heartbeat silence decides
+                wait = CONFIRM_TIMEOUT if out.confirming else HANDSHAKE_TIMEOUT  # heartbeat silence decides
+                self._finish(out, "done", f"no answer within {wait:g} s ({out.phase})")
 
     # ------------------------------------------------------------------ outgoing (watcher side)
     def _retarget(self, wanted: tuple[str, str, int] | None) -> None:
@@ -242,7 +245,7 @@ class Link:
         if out is not None and wanted == (out.peer, out.addr, out.port):
             return
         if out is not None:
-            self._finish(out, "done")
+            self._finish(out, "done", "watching another peer")
             self._out = None
         if wanted is not None:
             self._out = _Outgoing(*wanted)
@@ -253,7 +256,7 @@ class Link:
             family, kind, proto, _, sockaddr = socket.getaddrinfo(out.addr, out.port, type=socket.SOCK_STREAM)[0]
             sock = socket.socket(family, kind, proto)
         except OSError:
-            self._finish(out, "done")
+            self._finish(out, "done", "no socket to the peer's address")
             return
         sock.setblocking(False)
         out.sock, out.phase, out.buf = sock, "connect", b""
@@ -264,7 +267,7 @@ class Link:
         elif err == errno.ECONNREFUSED:
             self._declare(out)
         else:
-            self._finish(out, "done")
+            self._finish(out, "done", f"connect failed: {errno.errorcode.get(err, err)}")
 
     def _on_outgoing(self) -> None:
         out = self._out
@@ -279,13 +282,14 @@ class Link:
                 self._retry(out)
                 return
             if err != 0:
-                self._finish(out, "done")  # unreachable, timed out: heartbeat silence decides
+                # unreachable, timed out: heartbeat silence decides
+                self._finish(out, "done", f"connect failed: {errno.errorcode.get(err, err)}")
                 return
             out.nonce = secrets.token_hex(8)
             try:
                 out.sock.send(_line(self._auth(), "hello", out.peer, self.node_id, out.nonce))
             except OSError:
-                self._finish(out, "done")
+                self._finish(out, "done", "the hello could not be sent")
                 return
             out.phase = "hello"
             self._sel.modify(out.sock, selectors.EVENT_READ, "out")
@@ -310,27 +314,27 @@ class Link:
             line, _, out.buf = out.buf.partition(b"\n")
             auth = self._auth()
             if hmac.compare_digest(line + b"\n", _line(auth, "bye", out.peer, self.node_id, out.nonce)):
-                self._finish(out, "done")  # a graceful exit: not a death
+                self._finish(out, "done", "bye")  # a graceful exit: not a death
                 return
             if out.phase == "hello":
                 if not hmac.compare_digest(line + b"\n", _line(auth, "ok", out.peer, self.node_id, out.nonce)):
-                    self._finish(out, "done")  # someone else answers on that port
+                    self._finish(out, "done", "another process answered on that port")
                     return
                 out.phase, out.deadline, out.confirming, out.retries = "linked", None, False, 0
         if len(out.buf) > _LINE_MAX:
-            self._finish(out, "done")
+            self._finish(out, "done", "an overlong line")
 
     def _retry(self, out: _Outgoing) -> None:
         """Connect again shortly; after :data:`MAX_RETRIES` resets in a row, leave it to heartbeat silence."""
         if out.retries >= MAX_RETRIES:
-            self._finish(out, "done")
+            self._finish(out, "done", f"reset {MAX_RETRIES} times in a row")
             return
         out.retries += 1
         self._close_out(out)
         out.phase, out.deadline = "retry", time.monotonic() + RETRY_DELAY
 
     def _declare(self, out: _Outgoing) -> None:
-        self._finish(out, "done")
+        self._finish(out, "done", "dead: refused")
         try:
             self._on_dead(out.peer)
         except Exception:  # the handler reports its own store errors; the link must keep serving
@@ -345,9 +349,9 @@ class Link:
             out.sock.close()
             out.sock = None
 
-    def _finish(self, out: _Outgoing, phase: str) -> None:
+    def _finish(self, out: _Outgoing, phase: str, why: str) -> None:
         self._close_out(out)
-        out.phase, out.deadline = phase, None
+        out.phase, out.deadline, out.why = phase, None, why
 
     # ------------------------------------------------------------------ incoming (watched side)
     def _accept(self) -> None:

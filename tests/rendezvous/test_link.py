@@ -25,7 +25,8 @@ import sys
 sys.path.insert(0, {repo!r})
 from elastrun.rendezvous.auth import JobToken, NoAuth
 from elastrun.rendezvous.link import Link
-auth = NoAuth("job") if {marker!r} is None else JobToken({token!r}, "job").accept({marker!r}, "test")
+marker = {marker!r}
+auth = NoAuth("job") if marker is None else JobToken({token!r}, "job").accept(marker, "test")
 link = Link("127.0.0.1", "peer", lambda: auth, lambda peer: None)
 print(link.port, flush=True)
 if sys.stdin.readline().strip() == "close":
@@ -50,6 +51,12 @@ class Watcher:
     def wait_dead(self, timeout: float) -> list[str]:
         self._event.wait(timeout)
         return self.dead
+
+    def state(self) -> str:
+        """The watcher's outgoing link, for a failure message: its phase and why it ended, if it did."""
+        out = self.link._out
+        return "no outgoing link" if out is None else (
+            f"phase {out.phase}, confirming {out.confirming}, retries {out.retries}, why {out.why!r}")
 
 
 @contextlib.contextmanager
@@ -95,7 +102,7 @@ def test_a_killed_peer_is_reported_dead(auths):
         with peer_process(auths[1]) as (proc, port):
             _linked(watcher, port)
             proc.send_signal(signal.SIGKILL)
-            assert watcher.wait_dead(10) == ["peer"]
+            assert watcher.wait_dead(10) == ["peer"], watcher.state()
     finally:
         watcher.link.close()
 
@@ -106,9 +113,9 @@ def test_a_stopped_peer_is_not_reported_until_it_dies(auths):
         with peer_process(auths[1]) as (proc, port):
             _linked(watcher, port)
             proc.send_signal(signal.SIGSTOP)
-            assert watcher.wait_dead(1.5) == []  # alive, silent: heartbeat silence's business
+            assert watcher.wait_dead(1.5) == [], watcher.state()  # alive, silent: heartbeat silence's business
             proc.send_signal(signal.SIGKILL)
-            assert watcher.wait_dead(10) == ["peer"]  # the link was held all along
+            assert watcher.wait_dead(10) == ["peer"], watcher.state()  # the link was held all along
     finally:
         watcher.link.close()
 
