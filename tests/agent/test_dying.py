@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from elastrun.agent.workers.starter import on_its_way_out, process_dying
+from elastrun.agent.workers.starter import on_its_way_out, parse_stat, process_dying
 
 #: The shape of a real ``/proc/PID/stat`` (a command name with a space and a parenthesis, as Python allows): the
 #: flags are field 9, the pending signals field 31.
@@ -32,14 +32,14 @@ STAT = (b"4242 (python x) y) S 1 4242 4242 0 -1 %d 98 0 0 0 5 1 0 0 20 0 3 0 813
     (0x400000, 1 << 14, False),  # SIGTERM pending: the script may still run (its handler)
 ])
 def test_the_stat_file_tells_a_process_on_its_way_out(flags, pending, expected):
-    assert on_its_way_out(STAT % (flags, pending)) is expected
+    assert on_its_way_out(parse_stat(STAT % (flags, pending))) is expected
 
 
 @pytest.mark.unit
 def test_unreadable_text_is_not_a_death():
-    assert on_its_way_out(b"") is False
-    assert on_its_way_out(b"1 (x) S 1 2") is False
-    assert on_its_way_out(b"1 (x) S 1 2 3 4 5 zz") is False
+    assert on_its_way_out(parse_stat(b"")) is False
+    assert on_its_way_out(parse_stat(b"1 (x) S 1 2")) is False
+    assert on_its_way_out(parse_stat(b"1 (x) S 1 2 3 4 5 zz")) is False
 
 
 @pytest.mark.e2e

@@ -118,12 +118,8 @@ class WorkerHandle(abc.ABC):
         """Whether the worker's process is stopped (SIGSTOP, a debugger) or in uninterruptible sleep
         (stuck in the kernel, e.g. on a dead file system) now.  Such a worker cannot merely be
         waiting on a peer: a silent worker in this state is hung itself.  False when unknown."""
-        try:
-            with open(f"/proc/{self.pid}/stat", "rb") as fh:
-                state = fh.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return False
-        return state in (b"T", b"t", b"D")
+        fields = stat_fields(self.pid)
+        return bool(fields) and fields[0] in (b"T", b"t", b"D")
 
     def dying(self) -> bool:
         """Whether the worker's process is on its way out though not yet reaped: a SIGKILL pending, or the
@@ -191,22 +187,31 @@ _SIGKILL_BIT = 1 << (9 - 1)
 _FLAGS, _PENDING = 6, 28
 
 
-def process_dying(pid: int) -> bool:
-    """Whether process ``pid`` exits now or has a SIGKILL pending (:func:`on_its_way_out`); False when unknown.
-
-    One read of ``/proc/PID/stat`` (about 20 µs): the agent asks it of every running worker at each look."""
+def stat_fields(pid: int) -> list[bytes]:
+    """The fields of ``/proc/PID/stat`` after the command name (the state first), or [] when unreadable."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
-            return on_its_way_out(fh.read())
+            return parse_stat(fh.read())
     except OSError:
-        return False
+        return []
 
 
-def on_its_way_out(stat: bytes) -> bool:
-    """From a process's ``/proc/PID/stat``: whether it exits now (``PF_EXITING``) or a SIGKILL waits for its main
-    thread.  False on text it cannot read."""
+def parse_stat(stat: bytes) -> list[bytes]:
+    """A ``/proc/PID/stat`` line's fields after the command name, which may hold spaces and parentheses."""
+    _, paren, rest = stat.rpartition(b")")
+    return rest.split() if paren else []
+
+
+def process_dying(pid: int) -> bool:
+    """Whether process ``pid`` exits now (``PF_EXITING``) or a SIGKILL waits for its main thread; False when
+    unknown.  One read of ``/proc/PID/stat`` (about 20 µs): the agent asks it of every running worker at each look."""
+    return on_its_way_out(stat_fields(pid))
+
+
+def on_its_way_out(fields: list[bytes]) -> bool:
+    """From the fields of a process's ``/proc/PID/stat`` after its command name (:func:`stat_fields`): whether
+    its flags say it exits, or its main thread's pending signals hold a SIGKILL.  False on fields it cannot read."""
     try:
-        fields = stat.rsplit(b")", 1)[1].split()
         return bool(int(fields[_FLAGS]) & _PF_EXITING or int(fields[_PENDING]) & _SIGKILL_BIT)
     except (IndexError, ValueError):
         return False
