@@ -74,7 +74,7 @@ def truth(procs: dict[int, Proc], injections: list[Injection], detected: dict[in
 
     ``detected``: for each injection (by index), when the first agent knew (from the event log).
     """
-    injections = [_when_it_hit(procs, inj) for inj in injections]
+    injections = [_when_it_hit(procs, inj, detected[i]) for i, inj in enumerate(injections)]
     redone = {(pid, n, t0) for pid, n, t0, _ in _redone(procs)}
     out = {"good": 0.0, "commit": 0.0, "redone": 0.0, "restore": 0.0, "detection": 0.0, "hang": 0.0}
     # A worker's time between a fault and its detection is the fault's (hang or detection), even
@@ -105,17 +105,25 @@ def truth(procs: dict[int, Proc], injections: list[Injection], detected: dict[in
     return out
 
 
-def _when_it_hit(procs: dict[int, Proc], inj: Injection) -> Injection:
-    """The injection, at the later of the test's clock reading and its victims' last step end.
+def _when_it_hit(procs: dict[int, Proc], inj: Injection, detected: float) -> Injection:
+    """The injection, at the later of the test's clock reading and its victims' last step end
+    before the fault was ``detected``.
 
     The test reads the clock, then signals.  Under load (two cores shared with other tests) its
     thread was once descheduled 0.6 s in between, while the victim went on stepping: the truth then
     counted 0.6 s of steps that the fault later rolled back as the fault's detection, and the check
     failed on a timing artifact.  A victim's own log bounds the moment from below: it was alive at the
     end of its last step.
+
+    Only steps that ended before the detection bound it.  A hung (SIGSTOPped) victim is woken by its
+    agent with SIGABRT and SIGCONT to dump its stacks, and it can finish the step it was stopped in
+    before it dies: that step ends after the detection, and once moved the injection past it, so the
+    hang's whole window (every slot's wait) was counted as commit and redone steps instead (CI, stop 43).
     """
-    ends = [s[3] for pid in inj.pids if pid in procs for s in procs[pid].steps]
-    return replace(inj, t=max([inj.t, *ends])) if inj.pids and inj.kind != "join" else inj
+    if not inj.pids or inj.kind == "join":
+        return inj
+    ends = [s[3] for pid in inj.pids if pid in procs for s in procs[pid].steps if s[3] < detected]
+    return replace(inj, t=max([inj.t, *ends]))
 
 
 def _alive_at(p: Proc, t: float) -> bool:

@@ -1,0 +1,55 @@
+"""The yardstick of the goodput accuracy test (goodput_truth.py) on time lines built by hand.
+
+The accuracy test passes or fails by this yardstick, so its rules are checked where they can be
+stated exactly: three ranks of 0.1 s steps, one fault, and the workers' logs that follow from it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.observe.goodput_truth import Injection, Proc, truth
+
+pytestmark = pytest.mark.unit
+
+STEP = 0.1
+
+
+def _stepping(pid: int, first: int, count: int, start: float) -> Proc:
+    p = Proc(pid)
+    for i in range(count):
+        t0 = start + i * STEP
+        p.steps.append((first + i, t0, t0 + 0.09, t0 + STEP))
+    return p
+
+
+def _hang_job(victim_finishes_at: float | None) -> dict[int, Proc]:
+    """Ranks 1-3 step from 0 to 5 s; rank 3 is stopped at 5.03 s inside step 51 (5.0 to 5.1 s).  Ranks
+    1 and 2 re-form and resume from step 50 at 7.2 s.  ``victim_finishes_at``: the stopped rank,
+    woken to dump its stacks, ends step 51 then before it dies."""
+    procs = {pid: _stepping(pid, 1, 50, 0.0) for pid in (1, 2, 3)}
+    if victim_finishes_at is not None:
+        procs[3].steps.append((51, 5.0, 5.09, victim_finishes_at))
+    for pid in (1, 2):
+        procs[pid].resumes.append((7.2, 7.2, 50))
+        procs[pid].steps += _stepping(pid, 51, 20, 7.2).steps
+    return procs
+
+
+@pytest.mark.parametrize("victim_finishes_at", [None, 7.01], ids=["dies-stopped", "finishes-its-step"])
+def test_a_hang_is_timed_from_the_stop_to_the_detection(victim_finishes_at: float | None) -> None:
+    """Every slot waits from the stop (5.03 s) to the detection (7.0 s): 3 x 1.97 worker-s of hang,
+    whether or not the woken victim ended the step it was stopped in after the detection."""
+    seen = truth(_hang_job(victim_finishes_at), [Injection("hang", 5.03, [3])], {0: 7.0})
+    assert seen["hang"] == pytest.approx(3 * 1.97)
+    assert seen["redone"] < 0.2  # the cut-short step's 0.03 s per slot (and the victim's step, outside the hang)
+
+
+def test_a_crash_is_placed_at_the_victims_last_step_end() -> None:
+    """The test's clock read (4.5 s) came before the kill, and the victim went on to step 50's end (5.0 s):
+    the fault is at 5.0 s, so the surviving slots wait 5.0 to 5.2 s for the detection, not 0.7 s."""
+    procs = {pid: _stepping(pid, 1, 50, 0.0) for pid in (1, 2, 3)}
+    for pid in (1, 2):
+        procs[pid].steps.append((51, 5.0, 5.09, 5.1))
+    seen = truth(procs, [Injection("crash", 4.5, [3])], {0: 5.2})
+    assert seen["detection"] == pytest.approx(3 * 0.2)
