@@ -109,6 +109,8 @@ class WorkerGroup:
         self._exit_reports: dict[int, tuple[int, float]] = {}
         #: When each running worker was last seen alive (Unix time, by local rank): a death's earliest moment.
         self._alive_at: dict[int, float] = {}
+        #: The PIDs of the workers seen on their way out whose exit was hastened (once each).
+        self._hastened: set[int] = set()
         #: What this node learnt of its workers' starts, across rounds: the start-up bound (see hang.py).
         self.history = StartupHistory(config.startup_timeout, config.hang_timeout)
         #: How each worker entered the round (``"kept"`` or its start method), and the kept ones' re-forms.
@@ -122,7 +124,7 @@ class WorkerGroup:
         kept = self.session.take_kept()
         self._result = result
         self.workers, self.trackers, self.statuses, self._exit_reports, self._alive_at = [], {}, {}, {}, {}
-        self._entered, self._reformed = {}, {}
+        self._entered, self._reformed, self._hastened = {}, {}, set()
         self._silent_since = None
         for launch in launches:
             local_rank = launch.local_rank
@@ -185,8 +187,11 @@ class WorkerGroup:
             if status is None:
                 status = self._teardown_overdue(handle)
             if status is None:
-                if not handle.dying():  # a worker on its way out runs none of its script
+                if not handle.dying():
                     self._alive_at[handle.launch.local_rank] = polled
+                elif handle.pid not in self._hastened:  # on its way out: it runs none of its script, and
+                    self._hastened.add(handle.pid)  # its idle-priority threads must not hold up its end
+                    handle.hasten()
             else:
                 self._record_exit(result, handle, status)
         failed = [(h, self.statuses[h.launch.local_rank]) for h in self.workers

@@ -39,6 +39,10 @@ from elastrun.train.blob import Flattened, as_bytes
 #: Bytes per chunk: small enough that the training thread never waits long for the helper's
 #: chunk in flight, large enough that taking a chunk costs nothing next to copying it.
 CHUNK_BYTES = 8 << 20
+#: A copy smaller than this is made at once, on the caller's thread (tens of microseconds): a helper
+#: thread would cost as much to start, and an idle-priority thread alive on a busy host holds up the
+#: end of a killed worker (see :class:`_IdleWorker`).
+HELPER_MIN_BYTES = 1 << 20
 
 
 @dataclass
@@ -168,8 +172,11 @@ class SnapshotCopy:
         self._error: BaseException | None = None
 
     def start(self) -> None:
-        """Hand the chunks to the idle-priority helper thread."""
-        if self._chunks:
+        """Hand the chunks to the idle-priority helper thread (a copy under :data:`HELPER_MIN_BYTES`: copy
+        them now)."""
+        if sum(c.nbytes for c in self._chunks) < HELPER_MIN_BYTES:
+            self._work()
+        elif self._chunks:
             _IDLE_WORKER.give(self)
 
     def _work(self) -> None:

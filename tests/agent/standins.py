@@ -32,6 +32,8 @@ class StandInHandle(WorkerHandle):
         self.is_frozen = False
         #: What :meth:`dying` answers (a test sets it: a SIGKILL pending, not yet reaped).
         self.is_dying = False
+        #: How many times its exit was hastened (:meth:`hasten`).
+        self.hastened = 0
         #: How many times its stacks were asked for (:meth:`dump_stacks`).
         self.dumps = 0
 
@@ -59,6 +61,10 @@ class StandInHandle(WorkerHandle):
 
     def dying(self) -> bool:
         return self.is_dying
+
+    def hasten(self) -> int:
+        self.hastened += 1
+        return 0
 
     def dump_stacks(self) -> bool:
         self.dumps += 1

@@ -159,7 +159,8 @@ def test_a_worker_found_dead_as_the_group_ends_for_another_node_has_its_exit_rec
 def test_a_worker_on_its_way_out_is_not_seen_running(setup):
     """A worker with a SIGKILL pending (or torn down by the kernel), not yet reaped, is still the group's
     and still running as far as its handle can tell; it is not counted as seen running: its exit's
-    ``alive_at`` is the look before the kill, which goodput takes as the earliest moment of the crash."""
+    ``alive_at`` is the look before the kill, which goodput takes as the earliest moment of the crash.
+    Its low-priority threads are raised, once, so that it ends now (``hasten_exit``)."""
     s = setup()
     result = round_result()
     s.group.start(result, s.launches(result))
@@ -168,6 +169,8 @@ def test_a_worker_on_its_way_out_is_not_seen_running(setup):
     before = time.time()
     s.starter.started[1].is_dying = True
     assert s.group.check(result) is None  # not reaped yet: the group runs on
+    assert s.group.check(result) is None
+    assert [h.hastened for h in s.starter.started] == [0, 1]  # its end hastened, once
     s.starter.started[1].exit(sig=signal.SIGKILL)
     end = s.group.check(result)
     assert end is not None and end.outcome is Outcome.FAILED

@@ -14,6 +14,7 @@ Each worker:
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -127,6 +128,8 @@ class ChildHandle(WorkerHandle):
                 os.kill(self.pid, sig)
             except ProcessLookupError:
                 pass
+        if sig == signal.SIGKILL:
+            self.hasten()  # its idle-priority threads must run their exit before the process ends
 
     def set_console_prefix(self, prefix: str) -> None:
         self.streams.out.set_prefix(prefix)
