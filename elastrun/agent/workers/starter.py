@@ -234,10 +234,10 @@ def hasten_exit(pid: int) -> int:
 
     A killed process ends only once each of its threads has run its exit.  A worker's snapshot copier runs
     at ``SCHED_IDLE`` (:mod:`elastrun.train.copier`), and on a host whose cores are all busy such a thread
-    waits seconds for one (measured: 0.5 to 4.3 s after a SIGKILL with two busy threads per core, a few
-    milliseconds for the same process without it).  Meanwhile the process keeps its sockets, so its peers
-    see no death, and it is not reaped, so its agent sees none either: it once judged the peer that waited
-    on the killed rank hung instead.  Raised, the thread ends at once.
+    waits seconds for one (measured on two loaded cores: 1.7 to 22.8 s from the SIGKILL to the reaping, 1 to
+    20 ms once raised; docs/benchmarks.md, "An agent's death on a busy host").  Meanwhile the process keeps
+    its sockets, so its peers see no death, and it is not reaped, so its agent sees none either: it once
+    judged the peer that waited on the killed rank hung instead.  Raised, the thread ends at once.
     """
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
