@@ -19,16 +19,17 @@ the worker asks for the next copy only once every rank's request is gone (the de
 together, at a commit, so that every rank's copies are of the same steps).  A target that cannot be
 reached costs that copy, never a wait in training.
 
-**Priority (the pacing rule).**  A copy starts on a thread at ``SCHED_IDLE``: it takes only CPU
-time a core would otherwise leave idle, so where training leaves any, the copy costs training
-nothing.  On a host whose cores training (or anything else) keeps busy, an idle thread may not run
-for seconds, and the replicas would fall many commits behind.  So a copy still unfinished one
-commit interval after it began (the interval the worker measured, in the request; :data:`GRACE`
-when unknown) is taken over, from the next piece of at most :data:`PIECE` bytes, by a second thread
-at nice :data:`LATE_NICE`: the kernel's fair scheduler gives it all of a core no one else wants
-and, against one busy thread at nice 0, about 5 % of a contended core (weight 56 against 1024):
-the issue's budget for the copies' cost to a step.  Two threads, not one raised: an unprivileged
-thread can lower its priority but never raise it again.
+**Priority (the pacing rule).**  A copy starts on a thread at ``SCHED_IDLE`` (nice 19 where that
+could not be left again: :mod:`elastrun.shared.priority`): it takes only CPU time a core would
+otherwise leave idle, so where training leaves any, the copy costs training nothing.  On a host
+whose cores training (or anything else) keeps busy, an idle thread may not run for seconds, and the
+replicas would fall many commits behind.  So a copy still unfinished one commit interval after it
+began (the interval the worker measured, in the request; :data:`GRACE` when unknown) is taken over,
+from the next piece of at most :data:`PIECE` bytes, by a second thread at nice :data:`LATE_NICE`:
+the kernel's fair scheduler gives it all of a core no one else wants and, against one busy thread at
+nice 0, about 5 % of a contended core (weight 56 against 1024): the issue's budget for the copies'
+cost to a step.  Two threads, not one raised: an unprivileged thread can lower its priority but
+never raise it again.
 
 **Low-priority threads live only while they copy.**  Each copy gets its own threads, which end
 with it; the dispatcher that waits for requests runs at normal priority.  A process's end waits
@@ -53,6 +54,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from elastrun.agent.dirwatch import Watch
+from elastrun.shared import priority
 from elastrun.shared import snapshot_wire as wire
 from elastrun.shared.replicas import (
     BLOCK,
@@ -83,14 +85,6 @@ POLL_STOP = 0.5
 #: Seconds to connect to a target, and to wait on one during a copy.
 CONNECT_TIMEOUT = 5.0
 IO_TIMEOUT = 60.0
-
-
-def set_idle() -> None:
-    """Put the calling thread at ``SCHED_IDLE`` where the platform allows it (Linux; best effort)."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
-    except (AttributeError, OSError):
-        pass
 
 
 def set_late() -> None:
@@ -193,7 +187,7 @@ class Replicator:
         if late:
             set_late()
         else:
-            set_idle()
+            priority.lower()
         self._advance(job, late=late)
 
     def _advance(self, job: _Job, late: bool) -> None:

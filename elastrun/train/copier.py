@@ -8,7 +8,8 @@ times the copy's own time (measured: 0.1 s of copying cost a 0.55 s step 0.2-0.4
 :class:`SnapshotCopy` therefore splits the copy into chunks taken, in order, by two workers:
 
 - the process's helper thread at ``SCHED_IDLE`` priority, which only runs when a core would
-  otherwise idle (between steps, in data loading, while a collective waits);
+  otherwise idle (between steps, in data loading, while a collective waits); it stays there even
+  where it could not leave it again (:mod:`elastrun.shared.priority` says why);
 - the training thread, which calls :meth:`SnapshotCopy.finish` just before ``optimizer.step()``
   changes the parameters, copies whatever is left at its own priority, and waits for the chunk
   the helper is in the middle of.
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from elastrun.shared import priority
 from elastrun.train.blob import Flattened, as_bytes
 
 #: Bytes per chunk: small enough that the training thread never waits long for the helper's
@@ -56,15 +58,6 @@ class _Chunk:
 def copy_chunk(destination: int, source: int, nbytes: int) -> None:
     """One ``memmove`` (single-threaded; ctypes releases the GIL while it runs)."""
     ctypes.memmove(destination, source, nbytes)
-
-
-def set_policy(tid: int, policy_name: str) -> None:
-    """Set thread ``tid``'s (0: the calling one) scheduling policy where the platform allows it
-    (Linux; best effort: a thread may go back from ``SCHED_IDLE`` to ``SCHED_OTHER`` unprivileged)."""
-    try:
-        os.sched_setscheduler(tid, getattr(os, policy_name), os.sched_param(0))  # type: ignore[attr-defined]
-    except (AttributeError, OSError):
-        pass
 
 
 class _IdleWorker:
@@ -102,7 +95,7 @@ class _IdleWorker:
                     self._running, self._tid = False, 0
                     return
                 job = self._jobs.popleft()
-            set_policy(0, "SCHED_IDLE")  # again for each job: a wait may have raised it (see boost)
+            priority.lower(idle_for_good=True)  # again for each job: a wait may have raised it (see boost)
             job._work()
 
     def boost(self) -> None:
@@ -111,7 +104,7 @@ class _IdleWorker:
         for a core (a priority inversion that would stall ``commit()`` and a re-form's pause)."""
         tid = self._tid
         if tid and self._pid == os.getpid():
-            set_policy(tid, "SCHED_OTHER")
+            priority.restore(tid)
 
 
 _IDLE_WORKER = _IdleWorker()
@@ -127,10 +120,11 @@ def at_idle_priority() -> Iterator[None]:
     tid = threading.get_native_id()
     _IDLE_THREADS.add(tid)
     try:
-        set_policy(0, "SCHED_IDLE")
+        priority.lower(idle_for_good=True)
         yield
     finally:
         _IDLE_THREADS.discard(tid)
+        priority.restore(tid)  # best effort: without CAP_SYS_NICE the thread stays low (use a thread of its own)
 
 
 def boost_idle_threads() -> None:
@@ -140,7 +134,7 @@ def boost_idle_threads() -> None:
     training and control threads need."""
     _IDLE_WORKER.boost()
     for tid in list(_IDLE_THREADS):
-        set_policy(tid, "SCHED_OTHER")
+        priority.restore(tid)
 
 
 class SnapshotCopy:

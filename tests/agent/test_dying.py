@@ -10,6 +10,7 @@ detection (``test_goodput_accuracy``).  Such a worker's threads below normal pri
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,8 @@ import time
 import pytest
 
 from elastrun.agent.workers.starter import hasten_exit, on_its_way_out, parse_stat, process_dying
+from elastrun.shared import priority
+from tests.harness import base_env
 
 #: The shape of a real ``/proc/PID/stat`` (a command name with a space and a parenthesis, as Python allows): the
 #: flags are field 9, the pending signals field 31.
@@ -92,8 +95,8 @@ def test_a_workers_low_priority_threads_are_raised_so_that_it_ends_at_once():
         idle, niced = (int(t) for t in child.stdout.readline().split())
         assert os.sched_getscheduler(idle) == os.SCHED_IDLE and os.getpriority(os.PRIO_PROCESS, niced) == 5
         raised = hasten_exit(child.pid)
-        if raised == 0 and os.geteuid() != 0:
-            pytest.skip("an unprivileged process may not raise a thread's priority here (RLIMIT_NICE)")
+        if raised == 0 and not priority.may_raise():
+            pytest.skip("without CAP_SYS_NICE or RLIMIT_NICE >= 20 no thread's priority can be raised here")
         assert raised == 2
         assert os.sched_getscheduler(idle) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, niced) == 0
         assert os.sched_getscheduler(child.pid) == os.SCHED_OTHER
@@ -102,3 +105,57 @@ def test_a_workers_low_priority_threads_are_raised_so_that_it_ends_at_once():
         child.kill()
         child.wait(10)
     assert hasten_exit(child.pid) == 0  # gone: nothing, no error
+
+
+#: Run without CAP_SYS_NICE (as root in a Docker container): the priorities that ``priority.lower`` gives a
+#: thread (the agent's replicator's rule), the copier's helper once it copies, and the calling thread's.
+_NO_CAP_SYS_NICE = """
+import os, threading
+from elastrun.shared import priority
+from elastrun.train import copier
+
+class Job:  # stands in for a snapshot copy: the helper runs it until it is let go
+    running, release = threading.Event(), threading.Event()
+    def _work(self):
+        self.running.set()
+        self.release.wait(10)
+
+def lowered():
+    tid = threading.get_native_id()
+    got = priority.lower()
+    print(got, os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid), priority.restore(tid), flush=True)
+
+t = threading.Thread(target=lowered)
+t.start()
+t.join(10)
+job = Job()
+copier._IDLE_WORKER.give(job)
+assert job.running.wait(10)
+helper, main = copier._IDLE_WORKER._tid, threading.get_native_id()
+print(priority.may_raise(), os.sched_getscheduler(helper), os.sched_getscheduler(main),
+      os.getpriority(os.PRIO_PROCESS, main), flush=True)
+job.release.set()
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or shutil.which("setpriv") is None or os.geteuid() != 0,
+                    reason="needs Linux, util-linux's setpriv and root (to drop CAP_SYS_NICE)")
+def test_without_cap_sys_nice_a_low_priority_thread_takes_nice_19_and_the_copier_stays_idle():
+    """Where a thread could never leave SCHED_IDLE again (no CAP_SYS_NICE, RLIMIT_NICE 0: root in most
+    containers), ``hasten_exit`` cannot raise it as its process dies, and on busy cores it holds the
+    process's end up for seconds.  There ``priority.lower`` (the agent's replicator) gives nice 19, which the
+    scheduler never starves; the worker's copier keeps SCHED_IDLE (at nice 19 it cost the step,
+    docs/benchmarks.md); the calling thread stays at normal priority."""
+    argv = ["setpriv", "--bounding-set", "-sys_nice", "--inh-caps", "-sys_nice", "--",
+            sys.executable, "-c", _NO_CAP_SYS_NICE]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=base_env(), check=False)
+    if done.returncode != 0 and done.stderr.startswith("setpriv:"):  # e.g. no CAP_SETPCAP to change the bounding set
+        pytest.skip(f"setpriv cannot drop CAP_SYS_NICE here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    got, policy, nice, restored = lines[0].split()
+    assert (got, int(policy), int(nice), restored) == ("nice", os.SCHED_OTHER, priority.LOW_NICE, "False"), lines
+    may_raise, helper_policy, main_policy, main_nice = lines[1].split()
+    assert may_raise == "False" and int(helper_policy) == os.SCHED_IDLE, lines
+    assert (int(main_policy), int(main_nice)) == (os.SCHED_OTHER, 0), lines

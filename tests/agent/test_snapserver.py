@@ -19,6 +19,7 @@ from elastrun.shared.replicas import BLOCK, PushRequest, PushStatus, push_path, 
 from elastrun.train.sharded import slots
 from elastrun.train.sharded.layout import lay_out
 from elastrun.train.snapclient import Get, SnapshotClient, writable
+from tests.train.test_idle_helpers import lowered
 
 pytestmark = pytest.mark.unit
 
@@ -235,9 +236,9 @@ def test_no_low_priority_thread_outlives_its_copy(servers):
             while len(rep._copiers) < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
             idle = next(t for t in rep._copiers if t.name == "elastrun-replicator-idle")
-            while os.sched_getscheduler(idle.native_id) != os.SCHED_IDLE and time.monotonic() < deadline:
+            while not lowered(idle.native_id) and time.monotonic() < deadline:
                 time.sleep(0.01)  # it lowers its own priority first thing, once it runs
-            assert os.sched_getscheduler(idle.native_id) == os.SCHED_IDLE
+            assert lowered(idle.native_id)
         status = wait_status(a.dir, 0, 1, 30)
         assert status is not None and status.ok and status.late, status
         for t in rep._copiers:

@@ -10,11 +10,20 @@ import time
 
 import pytest
 
+from elastrun.shared import priority
 from elastrun.shared.protocol import Pause
 from elastrun.train import copier, snapshot
 from elastrun.train.reform import Link
 
 pytestmark = pytest.mark.unit
+
+
+def lowered(tid: int) -> bool:
+    """Whether thread ``tid`` is as low as :func:`priority.lower` puts it in this process: ``SCHED_IDLE``
+    where it can be raised again, else nice 19 at ``SCHED_OTHER``."""
+    if priority.may_raise():
+        return os.sched_getscheduler(tid) == os.SCHED_IDLE
+    return os.sched_getscheduler(tid) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, tid) == priority.LOW_NICE
 
 
 def _policy_becomes(tid: int, policy: int, timeout: float = 10.0) -> bool:
@@ -49,9 +58,10 @@ def test_a_pause_puts_the_idle_priority_helpers_back_at_normal_priority(tmp_path
         tids = [*copier._IDLE_THREADS, copier._IDLE_WORKER._tid]
         assert len(tids) == 2 and all(_policy_becomes(t, os.SCHED_IDLE) for t in tids)
         Link()._on_message(Pause())  # what the control thread does when the agent's pause arrives
-        if os.geteuid() != 0 and os.sched_getscheduler(tids[0]) == os.SCHED_IDLE:
-            pytest.skip("an unprivileged thread cannot leave SCHED_IDLE here (RLIMIT_NICE)")
+        if not priority.may_raise():
+            pytest.skip("without CAP_SYS_NICE or RLIMIT_NICE >= 20 no thread here can raise its priority again")
         assert [os.sched_getscheduler(t) for t in tids] == [os.SCHED_OTHER] * 2
+        assert [os.getpriority(os.PRIO_PROCESS, t) for t in tids] == [0, 0]
     finally:
         reserving.release.set()
         copying.release.set()
@@ -92,3 +102,26 @@ def test_a_closed_background_job_leaves_no_thread_and_a_later_job_starts_one():
     job.submit(lambda: ran.append(2))
     assert job.wait(timeout=10) and ran == [1, 2]
     job.close(timeout=10)
+
+
+def test_a_helper_goes_idle_only_where_it_can_be_raised_again():
+    """``priority.lower`` on a thread of its own: ``SCHED_IDLE`` where this process may raise it again
+    (then ``restore`` does), nice 19 where it may not (``restore`` then says it could not)."""
+    seen: dict[str, object] = {}
+
+    def helper() -> None:
+        tid = threading.get_native_id()
+        seen["got"] = priority.lower()
+        seen["low"] = lowered(tid)
+        seen["restored"] = priority.restore(tid)
+        seen["after"] = (os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid))
+
+    t = threading.Thread(target=helper)
+    t.start()
+    t.join(10)
+    assert seen["low"] is True, seen
+    if priority.may_raise():
+        assert seen["got"] == "idle" and seen["restored"] is True and seen["after"] == (os.SCHED_OTHER, 0), seen
+    else:
+        assert seen["got"] == "nice" and seen["restored"] is False, seen
+        assert seen["after"] == (os.SCHED_OTHER, priority.LOW_NICE), seen
