@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 #: The nice value of a low-priority thread where ``SCHED_IDLE`` could not be left again.
 LOW_NICE = 19
@@ -70,7 +71,7 @@ def lower(tid: int = 0, *, idle_for_good: bool = False) -> str:
         except (AttributeError, OSError):
             pass
     try:
-        tid = tid or _own_tid()
+        tid = tid or threading.get_native_id()
         if os.getpriority(os.PRIO_PROCESS, tid) < LOW_NICE:
             os.setpriority(os.PRIO_PROCESS, tid, LOW_NICE)  # this thread only (Linux)
         return "nice"
@@ -94,8 +95,3 @@ def restore(tid: int) -> bool:
         ok = False
     return ok
 
-
-def _own_tid() -> int:
-    import threading
-
-    return threading.get_native_id()
