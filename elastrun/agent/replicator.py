@@ -89,12 +89,7 @@ IO_TIMEOUT = 60.0
 
 def set_late() -> None:
     """Put the calling thread at nice :data:`LATE_NICE` (never higher than it is; best effort)."""
-    try:
-        tid = threading.get_native_id()
-        if os.getpriority(os.PRIO_PROCESS, tid) < LATE_NICE:
-            os.setpriority(os.PRIO_PROCESS, tid, LATE_NICE)  # this thread only (Linux)
-    except (AttributeError, OSError):
-        pass
+    priority.nice_at_least(LATE_NICE)
 
 
 class Replicator:

@@ -60,6 +60,10 @@ def may_raise() -> bool:
     return soft == resource.RLIM_INFINITY or soft >= _NICE_ZERO_LIMIT
 
 
+#: Scheduling policies below normal (real-time ones are above it, and left as they are).
+_LOW_POLICIES = tuple(getattr(os, name) for name in ("SCHED_IDLE", "SCHED_BATCH") if hasattr(os, name))
+
+
 def lower(tid: int = 0, *, idle_for_good: bool = False) -> str:
     """Put thread ``tid`` (0: the calling one) at low priority: ``SCHED_IDLE`` where it can be raised again
     or where ``idle_for_good`` says to take it anyway, nice 19 elsewhere (see the module docstring).
@@ -70,21 +74,36 @@ def lower(tid: int = 0, *, idle_for_good: bool = False) -> str:
             return "idle"
         except (AttributeError, OSError):
             pass
+    return "nice" if nice_at_least(LOW_NICE, tid) else ""
+
+
+def nice_at_least(nice: int, tid: int = 0) -> bool:
+    """Put thread ``tid`` (0: the calling one) at nice ``nice`` unless it already runs at that or lower
+    (Linux: this thread only); whether it is there now."""
     try:
         tid = tid or threading.get_native_id()
-        if os.getpriority(os.PRIO_PROCESS, tid) < LOW_NICE:
-            os.setpriority(os.PRIO_PROCESS, tid, LOW_NICE)  # this thread only (Linux)
-        return "nice"
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        return True
     except (AttributeError, OSError):
-        return ""
+        return False
+
+
+def is_low(tid: int) -> bool:
+    """Whether thread ``tid`` runs below normal priority (``SCHED_IDLE``, ``SCHED_BATCH``, a positive nice
+    value); False when it is gone."""
+    try:
+        return os.sched_getscheduler(tid) in _LOW_POLICIES or os.getpriority(os.PRIO_PROCESS, tid) > 0
+    except (AttributeError, OSError):
+        return False
 
 
 def restore(tid: int) -> bool:
-    """Put thread ``tid`` back at normal priority (``SCHED_OTHER``, nice 0); whether it is there now.  Best
-    effort: without :func:`may_raise` only a thread that was never lowered is."""
+    """Put thread ``tid`` back at normal priority (``SCHED_OTHER`` from a low policy, nice 0); whether it is
+    there now.  Best effort: without :func:`may_raise` only a thread that was never lowered is."""
     ok = True
     try:
-        if os.sched_getscheduler(tid) != os.SCHED_OTHER:  # type: ignore[attr-defined]
+        if os.sched_getscheduler(tid) in _LOW_POLICIES:
             os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))  # type: ignore[attr-defined]
     except (AttributeError, OSError):
         ok = False
@@ -94,4 +113,3 @@ def restore(tid: int) -> bool:
     except (AttributeError, OSError):
         ok = False
     return ok
-

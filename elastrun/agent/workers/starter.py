@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastrun.agent.workers.logs import tail_text
-from elastrun.shared import stackdump
+from elastrun.shared import priority, stackdump
 
 
 @dataclass
@@ -223,10 +223,6 @@ def on_its_way_out(fields: list[bytes]) -> bool:
         return False
 
 
-#: Scheduling policies below normal that :func:`hasten_exit` raises (real-time ones are left as they are).
-_LOW_POLICIES = tuple(getattr(os, name) for name in ("SCHED_IDLE", "SCHED_BATCH") if hasattr(os, name))
-
-
 def hasten_exit(pid: int) -> int:
     """Put each thread of process ``pid`` that runs below normal priority (``SCHED_IDLE``, ``SCHED_BATCH``, a
     positive nice value) back at normal priority; how many were raised.  Best effort: nothing when the
@@ -243,16 +239,4 @@ def hasten_exit(pid: int) -> int:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except (OSError, ValueError):
         return 0
-    raised = 0
-    for tid in tids:
-        try:
-            low = os.sched_getscheduler(tid) in _LOW_POLICIES
-            if low:
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-            if os.getpriority(os.PRIO_PROCESS, tid) > 0:
-                os.setpriority(os.PRIO_PROCESS, tid, 0)
-                low = True
-            raised += low
-        except OSError:  # gone, or not permitted
-            continue
-    return raised
+    return sum(1 for tid in tids if priority.is_low(tid) and priority.restore(tid))
