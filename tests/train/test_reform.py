@@ -209,6 +209,8 @@ def test_node_loss_and_join_keep_the_survivor_process(work, procs):
         wait_for(lambda: any(v["world_size"] == 2 for v in restores(out).values()), 60, "world 2")
         grown = max(k[0] for k, v in restores(out).items() if v["world_size"] == 2)
         hold.unlink()
+        # A held at world size 1 without stepping: the world-2 restore comes before any committed step.
+        wait_for(lambda: committed_steps(out), 60, "a committed step at world size 2")
         first = max(committed_steps(out))
         wait_for(lambda: max(committed_steps(out)) >= first + 6, 60, "progress at world size 2")
         os.killpg(b.pid, signal.SIGKILL)  # node loss: agent and worker
