@@ -33,6 +33,7 @@ from elastrun.config import LaunchConfig
 from elastrun.errors import UsageError
 from elastrun.rendezvous.api import RendezvousConfigError, RendezvousError, RendezvousParameters
 from elastrun.shared import log
+from elastrun.shared.imports import import_quickly
 
 _log = log.get("launcher")
 
@@ -130,7 +131,7 @@ def run(config: LaunchConfig, own_process: bool = False) -> int:
     # rank 0 starts the workers' TCPStore inside the round, and importing a CUDA build of torch there
     # holds the GIL for up to ~2 s at a stretch on a busy machine (torch 2.3.1's wheel), which starved
     # the etcd lease and heartbeat threads: peers took the closer for dead and formed a round without it.
-    import torch.distributed  # noqa: F401
+    import_quickly("torch.distributed")
 
     from elastrun.agent.agent import LocalAgent
     from elastrun.shared import stackdump

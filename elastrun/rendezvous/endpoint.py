@@ -16,6 +16,7 @@ import re
 import socket
 
 from elastrun.rendezvous.api import RendezvousConfigError
+from elastrun.shared.imports import import_quickly
 
 _HOST_RE = re.compile(r"[A-Za-z0-9_.-]+")
 _BRACKETED = re.compile(r"\[([^\]]+)\](?::(.*))?")
@@ -147,7 +148,7 @@ def listen_on(addr: str) -> int:
 
 def torch_at_least(major: int, minor: int) -> bool:
     """Whether the installed torch is ``major.minor`` or newer (for the few version-guarded paths)."""
-    import torch
+    torch = import_quickly("torch")
 
     return tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) >= (major, minor)
 
@@ -157,7 +158,7 @@ def host_worker_store(addr: str):  # noqa: ANN201 - a torch.distributed.TCPStore
 
     It listens only on ``addr``, the address the agents use for this node (:func:`listen_on`).
     """
-    import torch.distributed as dist
+    dist = import_quickly("torch.distributed")
 
     # torch's libuv server takes a handed-over socket from 2.8 on (pytorch PR 150215); 2.4-2.7 refuse
     # it (NotImplementedError) and 2.3 ignores it (its clients then hang): the classic server there.

@@ -14,6 +14,8 @@ both).
 * :mod:`~elastrun.shared.stackdump`: Python stacks on a signal, without stopping the process;
 * :mod:`~elastrun.shared.prctl`: parent-death signal, child subreaper;
 * :mod:`~elastrun.shared.procexit`: ending a process that loaded torch (a worker, the ``elastrun`` command);
+* :mod:`~elastrun.shared.imports`: torch imported with the cyclic collector paused (the agent, the template);
+* :mod:`~elastrun.shared.priority`: how low a helper thread goes, and raising it again;
 * :mod:`~elastrun.shared.snapshot_wire` and :mod:`~elastrun.shared.replicas`: snapshots moved between
   nodes at wire speed (below).
 

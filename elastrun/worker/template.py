@@ -43,6 +43,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from elastrun.shared.imports import collector_paused
 from elastrun.shared.prctl import set_parent_death_signal
 from elastrun.worker.bootstrap import run_target
 
@@ -63,15 +64,17 @@ class Job:
 
 # ---------------------------------------------------------------------------------------- template
 def _import_all(preload: list[str]) -> list[str]:
-    """Import the base modules and ``preload``; returns the preload modules that failed to import."""
-    for name in BASE_IMPORTS:
-        importlib.import_module(name)
+    """Import the base modules and ``preload`` (the collector paused: :mod:`elastrun.shared.imports`);
+    returns the preload modules that failed to import."""
     failed = []
-    for name in preload:
-        try:
+    with collector_paused():
+        for name in BASE_IMPORTS:
             importlib.import_module(name)
-        except Exception as exc:  # a bad --preload must not cost the pool: the worker imports it itself
-            failed.append(f"{name} ({type(exc).__name__}: {exc})")
+        for name in preload:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # a bad --preload must not cost the pool: the worker imports it itself
+                failed.append(f"{name} ({type(exc).__name__}: {exc})")
     return failed
 
 

@@ -25,7 +25,7 @@ PYTHON = sys.executable
 
 PROBE = textwrap.dedent(
     """
-    import atexit, ctypes, json, logging, os, signal, sys, warnings
+    import atexit, ctypes, gc, json, logging, os, signal, sys, warnings
     import psutil, torch, torch._dynamo  # the DDP path: what a forked worker has loaded already
 
     lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"), mode=os.RTLD_NOLOAD)
@@ -49,7 +49,7 @@ PROBE = textwrap.dedent(
         "fds": sorted(os.listdir("/proc/self/fd")), "pgid_is_pid": os.getpgid(0) == os.getpid(),
         "sigterm": str(signal.getsignal(signal.SIGTERM)), "sigint": str(signal.getsignal(signal.SIGINT)),
         "env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "TORCH_", "PYTORCH_"))},
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(), "gc_enabled": gc.isenabled(),
     }
     with open(sys.argv[1], "w") as fh:
         json.dump(report, fh)
@@ -84,9 +84,10 @@ def test_the_command_forks_its_template_and_the_worker_keeps_nothing_of_the_agen
     assert "not forked from the agent" not in log_f and "starting workers with exec" not in log_f
     assert not [m for m in forked["modules"] if m.startswith(AGENT_MODULES)], forked["modules"]
     for key in ("cpp_log_level", "elastrun_logger", "root_handlers", "warning_filters", "atexit", "sys_path0",
-                "cwd", "fds", "pgid_is_pid", "sigterm", "sigint", "env", "torch_threads"):
+                "cwd", "fds", "pgid_is_pid", "sigterm", "sigint", "env", "torch_threads", "gc_enabled"):
         assert forked[key] == execd[key], key
     assert forked["env"]["OMP_NUM_THREADS"] == "1" and forked["torch_threads"] == 1
+    assert forked["gc_enabled"]  # the template imports with its collector paused, and puts it back
     assert "TORCH_CPP_LOG_LEVEL" not in forked["env"]  # the agent's own setting stays the agent's
 
 

@@ -31,6 +31,7 @@ from elastrun.rendezvous.api import (
 from elastrun.rendezvous.auth import JobAuth, JobToken, NoAuth
 from elastrun.rendezvous.endpoint import is_local_host, torch_at_least
 from elastrun.rendezvous.waiting import WaitReport, time_left
+from elastrun.shared.imports import import_quickly
 
 #: What :meth:`StoreClient._peek` compares with: no value the protocol writes equals it.
 _ABSENT = "\x00elastrun:absent\x00"
@@ -84,7 +85,7 @@ class StoreClient(RendezvousHandler):
     _prefix: str
 
     def _connect(self, host: str, port: int, is_host: bool | None):
-        import torch.distributed as dist
+        dist = import_quickly("torch.distributed")
 
         timeout = datetime.timedelta(seconds=float(self.conf["read_timeout"]))
         must_host = bool(is_host)
@@ -136,7 +137,7 @@ class StoreClient(RendezvousHandler):
         threads).  ``Store.clone()`` where torch has it (2.5+); before, a new client."""
         if hasattr(self._store, "clone"):
             return self._store.clone()
-        import torch.distributed as dist
+        dist = import_quickly("torch.distributed")
 
         store = dist.TCPStore(self.store_host, self.store_port, is_master=False,
                               timeout=datetime.timedelta(seconds=_CONNECT_WAIT))

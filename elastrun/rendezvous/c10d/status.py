@@ -29,6 +29,7 @@ from elastrun.rendezvous.c10d.seats import all_members
 from elastrun.rendezvous.endpoint import split_endpoint
 from elastrun.rendezvous.rounds import decode_result, is_void
 from elastrun.rendezvous.status_doc import node_row, status_document
+from elastrun.shared.imports import import_quickly
 
 #: A member whose heartbeat is older than this is shown as ``silent`` (the default heartbeat
 #: interval is 0.5 s; agents declare a node lost after ``heartbeat_timeout``, 2.5 s by default).
@@ -180,7 +181,7 @@ def _client(host: str, port: int, timeout: float) -> Any:
         return store
     _probe(host, port, min(timeout, 2.0))
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    import torch.distributed as dist
+    dist = import_quickly("torch.distributed")
 
     try:
         store = dist.TCPStore(

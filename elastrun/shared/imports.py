@@ -1,0 +1,47 @@
+"""Importing torch (and the modules it brings) with the cyclic garbage collector paused.
+
+Runs in: the agent (its ``torch.distributed``), the warm pool's template (its base and ``--preload``
+imports) and the ``elastrun status`` tool.
+
+``import torch`` creates hundreds of thousands of objects that live as long as the process.  While
+they are created, the collector runs again and again (each run of the oldest generation walks every
+object made so far) and finds almost nothing to free: on 2 cores, ``torch``, ``torch.distributed``,
+``torch._dynamo`` and the DDP path took 2.6 CPU-s with it running and 2.1 CPU-s with it paused
+(docs/benchmarks.md, "Imports with the collector paused").  That is a fifth of an agent's start and of
+its template's, so of every node's start-up; reference counting frees what it always frees
+meanwhile, and the cycles left behind are collected at the next run after the import.
+
+A worker's own imports (in the user's script) are left as Python does them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+from collections.abc import Iterator
+from types import ModuleType
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Keep the cyclic collector off inside the block; put it back as it was (a caller may keep it off)."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
+def import_quickly(name: str) -> ModuleType:
+    """``importlib.import_module(name)`` with the collector paused while the import runs.
+
+    Cheap once ``name`` is imported (a dictionary lookup), so it stands wherever a first import may happen::
+
+        dist = import_quickly("torch.distributed")
+        store = dist.TCPStore(...)
+    """
+    with collector_paused():
+        return importlib.import_module(name)
