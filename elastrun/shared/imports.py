@@ -6,10 +6,11 @@ imports) and the ``elastrun status`` tool.
 ``import torch`` creates hundreds of thousands of objects that live as long as the process.  While
 they are created, the collector runs again and again (each run of the oldest generation walks every
 object made so far) and finds almost nothing to free: on 2 cores, ``torch``, ``torch.distributed``,
-``torch._dynamo`` and the DDP path took 2.6 CPU-s with it running and 2.1 CPU-s with it paused
-(docs/benchmarks.md, "Imports with the collector paused").  That is a fifth of an agent's start and of
-its template's, so of every node's start-up; reference counting frees what it always frees
-meanwhile, and the cycles left behind are collected at the next run after the import.
+``torch._dynamo`` and the DDP path, then one full collection, took 2.8-4.0 CPU-s with it running and
+2.2-3.5 CPU-s with it paused (docs/benchmarks.md, "Imports with the collector paused").  Reference
+counting frees what it always frees meanwhile, and the few cycles left behind go at the next
+collection.  With the agent's ``gc.freeze()`` before it forks the template
+(:mod:`elastrun.agent.workers.template_fork`), a node's start-up costs 0.36 CPU-s (10 %) less.
 
 A worker's own imports (in the user's script) are left as Python does them.
 """
