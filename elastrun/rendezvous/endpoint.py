@@ -148,7 +148,7 @@ def listen_on(addr: str) -> int:
 
 def torch_at_least(major: int, minor: int) -> bool:
     """Whether the installed torch is ``major.minor`` or newer (for the few version-guarded paths)."""
-    torch = import_quickly("torch")
+    import torch
 
     return tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) >= (major, minor)
 

@@ -137,7 +137,7 @@ class StoreClient(RendezvousHandler):
         threads).  ``Store.clone()`` where torch has it (2.5+); before, a new client."""
         if hasattr(self._store, "clone"):
             return self._store.clone()
-        dist = import_quickly("torch.distributed")
+        import torch.distributed as dist  # loaded already: this node is connected
 
         store = dist.TCPStore(self.store_host, self.store_port, is_master=False,
                               timeout=datetime.timedelta(seconds=_CONNECT_WAIT))
