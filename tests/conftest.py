@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import _posixsubprocess
 import fcntl
+import getpass
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,6 +50,15 @@ def _terminated(signum: int, frame: object) -> None:
 
 
 signal.signal(signal.SIGTERM, _terminated)
+
+# Two variables that code run in the test process sets in its own environment: torch._inductor sets its
+# cache folder the first time it asks for it, and elastrun.launch() quiets torch's C++ log (as the agent
+# does).  The environment a test hands its processes would then differ before and after another test did
+# that, and tests/warm.py would start another warm server for each difference (~4 CPU-s).  Set from the
+# start, to the values they get, they are the same for every test, whatever ran before it.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r"[^\w]", "_", getpass.getuser())))
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
 #: Files whose tests one xdist worker runs, one after the other (tools/test.sh runs the suite on several):

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import psutil
 
+from tests import warm
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 STEPS_SCRIPT = SCRIPTS / "steps.py"
@@ -75,7 +77,7 @@ def quiet_port(host: str = "127.0.0.1") -> int:
 
 def base_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     env.update(extra)
     return env
@@ -169,7 +171,7 @@ class Cluster:
         log_path = self.tmp / f"{name}.out"
         cmd = [sys.executable, "-m", "elastrun", *flags, *(script or [str(STEPS_SCRIPT)])]
         with open(log_path, "wb") as out:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env or base_env(), stdout=out, stderr=subprocess.STDOUT,
+            proc = warm.popen(cmd, cwd=REPO, env=env or base_env(), stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
         agent = Agent(proc, log_path)
         self.agents.append(agent)

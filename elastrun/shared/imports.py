@@ -13,6 +13,11 @@ collection.  With the agent's ``gc.freeze()`` before it forks the template
 (:mod:`elastrun.agent.workers.template_fork`), a node's start-up costs 0.36 CPU-s (10 %) less.
 
 A worker's own imports (in the user's script) are left as Python does them.
+
+:func:`torch_loaded_with` remembers the environment torch loaded with when this module loaded it: an
+agent whose torch was loaded so, with the variables the template would load it with, may still fork
+its template (:func:`elastrun.agent.workers.template_fork.why_not`).  The test suite's warm starter
+(``tests/warm.py``) loads torch that way before it forks agents.
 """
 
 from __future__ import annotations
@@ -20,8 +25,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
-from collections.abc import Iterator
+import os
+import sys
+from collections.abc import Iterator, Mapping
 from types import ModuleType
+
+#: ``os.environ`` as it was when :func:`import_quickly` loaded torch; None until then, or for good where
+#: torch was loaded otherwise.
+_torch_env: dict[str, str] | None = None
 
 
 @contextlib.contextmanager
@@ -44,5 +55,16 @@ def import_quickly(name: str) -> ModuleType:
         dist = import_quickly("torch.distributed")
         store = dist.TCPStore(...)
     """
+    global _torch_env
+    loads_torch = name.partition(".")[0] == "torch" and "torch" not in sys.modules
+    environ = dict(os.environ) if loads_torch else None
     with collector_paused():
-        return importlib.import_module(name)
+        module = importlib.import_module(name)
+    if loads_torch:
+        _torch_env = environ
+    return module
+
+
+def torch_loaded_with() -> Mapping[str, str] | None:
+    """The environment torch loaded with, where :func:`import_quickly` loaded it; else None."""
+    return _torch_env

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 import threading
 
 import pytest
 
 from elastrun.shared import log
+from tests import warm
 from tests.harness import REPO, base_env
 
 pytestmark = pytest.mark.unit
@@ -83,8 +83,8 @@ def test_train_warnings_are_silenced_by_quiet():
         env = {k: v for k, v in base_env().items() if k != log.LEVEL_ENV}
         if level:
             env[log.LEVEL_ENV] = level
-        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=60)
+        proc = warm.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=60)
         assert proc.returncode == 0, proc.stderr
         return proc.stderr
 

@@ -11,14 +11,15 @@ import pytest
 from elastrun.config import LaunchConfig
 from elastrun.errors import UsageError
 from elastrun.launcher import launch
+from tests import warm
 from tests.harness import REPO, base_env
 
 pytestmark = pytest.mark.e2e
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=base_env(),
-                          capture_output=True, text=True, timeout=180)
+    return warm.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=base_env(),
+                    capture_output=True, text=True, timeout=180)
 
 
 def test_launch_a_function_returns_each_ranks_value():

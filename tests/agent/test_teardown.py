@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from tests import warm
 from tests.harness import REPO, SCRIPTS, base_env
 
 pytestmark = pytest.mark.e2e
@@ -28,8 +29,8 @@ TEARDOWN = str(SCRIPTS / "teardown.py")
 
 def launch(tmp_path, flags: list[str], script: str, timeout: float = 120.0, **env: str):
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "elastrun", "--standalone", *flags, script],
-                          cwd=REPO, env=base_env(**env), capture_output=True, text=True, timeout=timeout)
+    proc = warm.run([sys.executable, "-m", "elastrun", "--standalone", *flags, script],
+                    cwd=REPO, env=base_env(**env), capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - start
 
 

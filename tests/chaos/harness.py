@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from tests import evidence
+from tests import evidence, warm
 from tests.chaos import records, verify
 from tests.chaos.faults import KINDS, Fault, FaultInjection
 from tests.chaos.records import StepLog
@@ -295,8 +295,8 @@ class ChaosJob(FaultInjection):
 
     def start_node(self, node: Node) -> None:
         log = open(self.work / f"agent{node.index}.log", "ab")  # noqa: SIM115 - handed to the child
-        node.proc = subprocess.Popen(self._argv(node), stdout=log, stderr=subprocess.STDOUT, env=self._env(),
-                                     cwd=REPO, start_new_session=True)
+        node.proc = warm.popen(self._argv(node), stdout=log, stderr=subprocess.STDOUT, env=self._env(),
+                               cwd=REPO, start_new_session=True)
         log.close()
         node.state = "up"
         node.node_id = None

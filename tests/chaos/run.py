@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tests import warm
 from tests.chaos import records, verify
 from tests.chaos.harness import REPO, TRAINER, ChaosJob, JobSpec, RunResult
 
@@ -93,8 +94,8 @@ def reference_sha(world: int, epochs: int, samples: int, batch: int) -> str:
     argv = [sys.executable, "-m", "elastrun", "--standalone", f"--nproc-per-node={world}", "--start-method=fork",
             "--preload=torch,elastrun.train", str(TRAINER), "--out", str(work), "--epochs", str(epochs),
             "--samples", str(samples), "--batch", str(batch)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                            start_new_session=True)
+    proc = warm.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                      start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=300)
         if proc.returncode != 0:

@@ -15,13 +15,14 @@ import pytest
 from elastrun.observe.status_view import read_status
 from elastrun.rendezvous import registry
 from elastrun.rendezvous.api import RendezvousParameters, StatusNotSupportedError
+from tests import warm
 from tests.harness import REPO, alive, base_env, free_port, listening, read_steps, wait_until
 
 pytestmark = pytest.mark.e2e
 
 
 def _status_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "elastrun", "status", *args], cwd=REPO, env=base_env(),
+    return warm.run([sys.executable, "-m", "elastrun", "status", *args], cwd=REPO, env=base_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from elastrun.observe.status_view import read_status
 from elastrun.rendezvous.api import JobNotFoundError, RendezvousConnectionError, RendezvousParameters
+from tests import warm
 from tests.harness import REPO, alive, base_env, free_port, read_steps, wait_until
 from tests.rendezvous.etcd_cluster import EtcdCluster, etcd_available
 
@@ -29,7 +30,7 @@ RUN_ID = "obs-etcd"
 
 
 def _status_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "elastrun", "status", "--rdzv-backend=etcd", *args], cwd=REPO,
+    return warm.run([sys.executable, "-m", "elastrun", "status", "--rdzv-backend=etcd", *args], cwd=REPO,
                           env=base_env(), capture_output=True, text=True, timeout=timeout)
 
 

@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.harness import wait_until
+from tests import warm
+from tests.harness import base_env, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS_SCRIPT = REPO / "tests" / "scripts" / "steps.py"
@@ -19,8 +20,8 @@ def start_agent(endpoints: str, run_id: str, steps_dir: Path, log: Path, *, nnod
                 steps: int = 100000, conf: str = "", wrap: list[str] | None = None,
                 extra_env: dict[str, str] | None = None, max_restarts: int = 3) -> subprocess.Popen:
     """One agent (its own session, so its whole process group can be killed) with one worker."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), STEPS_LOG=str(steps_dir), STEPS=str(steps),
-               STEP_SECONDS="0.05", CKPT=str(steps_dir / "ckpt.json"), **(extra_env or {}))
+    env = base_env(STEPS_LOG=str(steps_dir), STEPS=str(steps), STEP_SECONDS="0.05", CKPT=str(steps_dir / "ckpt.json"),
+                   **(extra_env or {}))
     argv = [*(wrap or []), sys.executable, "-m", "elastrun", f"--nnodes={nnodes}", "--nproc-per-node=1",
             "--rdzv-backend=etcd", f"--rdzv-endpoint={endpoints}", f"--rdzv-id={run_id}",
             f"--max-restarts={max_restarts}", "--monitor-interval=0.1"]
@@ -28,8 +29,7 @@ def start_agent(endpoints: str, run_id: str, steps_dir: Path, log: Path, *, nnod
         argv.append(f"--rdzv-conf={conf}")
     argv.append(str(STEPS_SCRIPT))
     with open(log, "ab") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                start_new_session=True)
+        return warm.popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
 
 
 def read_steps(steps_dir: Path) -> list[dict]:

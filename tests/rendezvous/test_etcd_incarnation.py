@@ -22,6 +22,7 @@ import pytest
 
 from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
 from elastrun.rendezvous.etcd import create_handler
+from tests import warm
 from tests.harness import REPO, base_env, wait_until
 from tests.rendezvous.etcd_cluster import EtcdCluster, etcd_available
 
@@ -44,9 +45,9 @@ def nodes(tmp_path: Path) -> Iterator:
     def start(endpoints: str, run_id: str, node_id: str, nnodes: tuple[int, int]) -> tuple[subprocess.Popen, Path]:
         log = tmp_path / f"{node_id}.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "tests.rendezvous.etcd_node", endpoints, run_id,
-                                     node_id, str(TTL), *map(str, nnodes)], cwd=REPO, env=base_env(), stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = warm.popen([sys.executable, "-m", "tests.rendezvous.etcd_node", endpoints, run_id,
+                               node_id, str(TTL), *map(str, nnodes)], cwd=REPO, env=base_env(), stdout=out,
+                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         started.append(proc)
         return proc, log
 

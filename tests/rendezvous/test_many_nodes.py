@@ -4,7 +4,6 @@ same workers' store; then one node leaves and every other member is told."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import threading
 import time
@@ -14,6 +13,7 @@ import pytest
 from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
 from elastrun.rendezvous.c10d import closing, create_handler, seats
 from elastrun.rendezvous.c10d.status import read_store_status
+from tests import warm
 from tests.harness import base_env, free_port
 
 pytestmark = pytest.mark.contract
@@ -125,9 +125,9 @@ def _round_after_a_faulty_first_joiner(monkeypatch, fault: str, min_nodes: int =
 
     host = create_handler(params(True))
     other = create_handler(params(False))
-    child = subprocess.Popen([sys.executable, "-c", _FIRST_JOINER, f"127.0.0.1:{port}", run_id, fault,
-                              str(min_nodes)],
-                             env=base_env())
+    child = warm.popen([sys.executable, "-c", _FIRST_JOINER, f"127.0.0.1:{port}", run_id, fault,
+                        str(min_nodes)],
+                       env=base_env())
     results: dict[str, object] = {}
     try:
         deadline = time.monotonic() + 30

@@ -1,6 +1,5 @@
 """c10d and static backends end to end; join timeout; the backend registry."""
 
-import subprocess
 import sys
 import textwrap
 import threading
@@ -11,6 +10,7 @@ import pytest
 from elastrun.rendezvous import registry
 from elastrun.rendezvous.api import FailureRecord, NodeInfo, RendezvousConfigError, RendezvousParameters
 from elastrun.rendezvous.c10d import create_handler
+from tests import warm
 from tests.harness import REPO, SCRIPTS, base_env, free_port, read_steps
 
 pytestmark = pytest.mark.e2e
@@ -83,8 +83,8 @@ def test_a_registered_backend_is_used_by_the_launcher(tmp_path):
     """)
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=base_env(OUT_DIR=str(out)),
-                          capture_output=True, text=True, timeout=120)
+    proc = warm.run([sys.executable, "-c", code], cwd=REPO, env=base_env(OUT_DIR=str(out)),
+                    capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert marker.exists()
     assert (out / "env_0.json").exists()

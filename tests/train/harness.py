@@ -13,6 +13,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from tests import warm
 from tests.harness import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,7 +53,7 @@ class Procs:
     def start(self, cmd: list[str], log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         with open(log, "wb") as f:
             e = {**env(), **(extra_env or {})}
-            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=e, start_new_session=True)
+            p = warm.popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=e, start_new_session=True)
         self.procs.append(p)
         return p
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from elastrun.agent.snapserver import SnapshotServer
-from tests.harness import free_port
+from tests import warm
+from tests.harness import REPO, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -32,13 +33,14 @@ def run_ranks(mode: str, nodes: list[tuple[Path, Path | None, str | None]], time
     port = free_port()
     procs = []
     for rank, (snap, ckpt, server) in enumerate(nodes):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(len(nodes)), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", TORCHELASTIC_RUN_ID=RUN_ID)  # fmt: skip
+        env = dict(os.environ, PYTHONPATH=str(REPO), RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(len(nodes)),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   TORCHELASTIC_RUN_ID=RUN_ID)  # fmt: skip
         env.pop("ELASTRUN_SNAPSHOT_SERVER", None)
         if server:
             env["ELASTRUN_SNAPSHOT_SERVER"] = server
         argv = [sys.executable, str(WORKER), mode, str(snap), str(ckpt or "")]
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(warm.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     finally:

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from tests import warm
 from tests.harness import base_env, free_port
 
 pytestmark = pytest.mark.e2e
@@ -73,13 +74,13 @@ def test_a_failed_set_up_leaves_no_trace_for_the_next_group(tmp_path):
     procs: list[subprocess.Popen] = []
     try:
         with open(tmp_path / "kept.log", "wb") as kept_log, open(tmp_path / "fresh.log", "wb") as fresh_log:
-            kept = subprocess.Popen([sys.executable, "-c", KEPT, str(first.port), str(second.port), timeout],
-                                    env={**env, "RANK": "0"}, stdout=kept_log, stderr=subprocess.STDOUT)
+            kept = warm.popen([sys.executable, "-c", KEPT, str(first.port), str(second.port), timeout],
+                              env={**env, "RANK": "0"}, stdout=kept_log, stderr=subprocess.STDOUT)
             procs.append(kept)
-            fresh = subprocess.Popen([sys.executable, "-c", FRESH, timeout],
-                                     env={**env, "RANK": "1", "MASTER_PORT": str(second.port),
-                                          "TORCHELASTIC_RESTART_COUNT": "2"},
-                                     stdout=fresh_log, stderr=subprocess.STDOUT)
+            fresh = warm.popen([sys.executable, "-c", FRESH, timeout],
+                               env={**env, "RANK": "1", "MASTER_PORT": str(second.port),
+                                    "TORCHELASTIC_RESTART_COUNT": "2"},
+                               stdout=fresh_log, stderr=subprocess.STDOUT)
             procs.append(fresh)
             codes = [p.wait(120) for p in procs]
         out = {name: (tmp_path / f"{name}.log").read_text() for name in ("kept", "fresh")}
@@ -136,8 +137,8 @@ def test_a_traceback_after_many_groups_carries_one_rank_prefix(tmp_path):
     ports = [str(free_port()) for _ in range(3)]
     env = dict(os.environ, PYTHONPATH=str(REPO), WORLD_SIZE="1", RANK="0", MASTER_ADDR="127.0.0.1",
                TORCH_CPP_LOG_LEVEL="ERROR")
-    done = subprocess.run([sys.executable, "-c", REPEATED, *ports], env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = warm.run([sys.executable, "-c", REPEATED, *ports], env=env, capture_output=True, text=True,
+                    timeout=120)
     assert done.returncode == 1, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert "[rank0]: Traceback (most recent call last):" in lines, done.stderr

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm
 from tests.harness import free_port, listening
 from tests.train.harness import (
     REPO,
@@ -112,8 +113,8 @@ def test_dcp_round_trip(work, procs):
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(manifest["files"]), manifest
     committed = digests(first)[10]
 
-    plain = subprocess.run([sys.executable, "-c", PLAIN_LOAD, str(step_dir)], env=env(), capture_output=True,
-                           text=True, timeout=120)  # fmt: skip
+    plain = warm.run([sys.executable, "-c", PLAIN_LOAD, str(step_dir)], env=env(), capture_output=True,
+                     text=True, timeout=120)  # fmt: skip
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert json.loads(plain.stdout.strip().splitlines()[-1])["sha256"] in committed
 
@@ -406,8 +407,8 @@ def test_a_reform_that_swaps_ranks_describes_this_ranks_chunks(work):
     real gloo processes that swap ranks between two groups of the same shape (what an in-process
     re-form 3 -> 2 -> 3 can do) describe their own new chunks only because the caches are cleared
     when a group is left (``dist.forget_mesh_caches``)."""
-    procs = [subprocess.Popen([sys.executable, "-c", SWAP, str(r), str(work)], env=env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]  # fmt: skip
+    procs = [warm.popen([sys.executable, "-c", SWAP, str(r), str(work)], env=env(), stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True) for r in (0, 1)]  # fmt: skip
     try:
         outs = [p.communicate(timeout=120) for p in procs]
     finally:
@@ -469,8 +470,8 @@ def test_slot_memory_is_allocated_before_the_commits_that_fill_it(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     script = Path(__file__).with_name("reserve_job.py")
-    run = subprocess.run([sys.executable, str(script), str(out)], env=env(), capture_output=True, text=True,
-                         cwd=REPO, timeout=120)  # fmt: skip
+    run = warm.run([sys.executable, str(script), str(out)], env=env(), capture_output=True, text=True,
+                   cwd=REPO, timeout=120)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["source"] == "memory", got
@@ -514,6 +515,6 @@ def test_a_pause_during_attach_leaves_the_state_whole(work):
     it built on the new group) is raised when attach has taken the model and its sharded half, never
     between them: a State with the model and not its sharded half took the replicated restore at the
     next re-form while its peers took the sharded one (mismatched collectives; both workers failed)."""
-    done = subprocess.run([sys.executable, "-c", ATTACH], env=env(), capture_output=True, text=True, timeout=120)
+    done = warm.run([sys.executable, "-c", ATTACH], env=env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"raised": True, "model": True, "sharded": True}

@@ -14,11 +14,13 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 from pathlib import Path
 
 import pytest
 
 from elastrun.agent.workers import template_fork
+from elastrun.shared import imports
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -115,9 +117,47 @@ def test_reread_cpp_log_level_applies_the_variable_to_a_loaded_torch():
 
 @pytest.mark.unit
 def test_why_not_refuses_a_callers_process_and_a_loaded_torch(monkeypatch):
-    assert "elastrun.launch" in (template_fork.why_not(own_process=False) or "")
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/bin"}
+    assert "elastrun.launch" in (template_fork.why_not(False, env) or "")
     monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch") or object())
-    assert "torch was imported" in (template_fork.why_not(own_process=True) or "")
+    monkeypatch.setattr(imports, "_torch_env", None)
+    assert "torch was imported" in (template_fork.why_not(True, env) or "")
     monkeypatch.delitem(sys.modules, "torch")
     threads = threading.active_count()
-    assert template_fork.why_not(own_process=True) == (None if threads == 1 else f"{threads} threads run in the agent")
+    assert template_fork.why_not(True, env) == (None if threads == 1 else f"{threads} threads run in the agent")
+
+
+@pytest.mark.unit
+def test_a_torch_that_elastrun_loaded_with_the_templates_load_time_variables_may_be_forked(monkeypatch):
+    """The warm starter's case (tests/warm.py): torch loaded through import_quickly, with the variables
+    that the template would load it with; any other variable may differ (the agent's own)."""
+    template_env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": "/repo", "TORCH_CPP_LOG_LEVEL": "ERROR", "PATH": "/bin"}
+    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch") or object())
+    monkeypatch.setattr(imports, "_torch_env", {**template_env, "PATH": "/usr/bin", "RUN_ID": "x"})
+    threads = threading.active_count()
+    expected = None if threads == 1 else f"{threads} threads run in the agent"
+    assert template_fork.why_not(True, template_env) == expected
+    for name, value in (("OMP_NUM_THREADS", "2"), ("PYTHONPATH", "/other"), ("TORCH_CPP_LOG_LEVEL", None),
+                        ("LD_PRELOAD", "libx.so")):
+        loaded = {**template_env, name: value} if value is not None else {
+            k: v for k, v in template_env.items() if k != name}
+        monkeypatch.setattr(imports, "_torch_env", loaded)
+        assert template_fork.why_not(True, template_env) == f"torch was loaded with another {name} than the template's"
+
+
+@pytest.mark.unit
+def test_import_quickly_remembers_the_environment_only_where_it_loaded_torch(monkeypatch):
+    fake = types.ModuleType("torch")
+
+    def load(name: str) -> types.ModuleType:
+        return sys.modules.setdefault(name, fake)
+
+    monkeypatch.setattr(imports.importlib, "import_module", load)
+    monkeypatch.setattr(imports, "_torch_env", None)
+    monkeypatch.setitem(sys.modules, "torch", fake)  # loaded before, by someone else
+    imports.import_quickly("torch")
+    assert imports.torch_loaded_with() is None
+    monkeypatch.delitem(sys.modules, "torch")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert imports.import_quickly("torch") is fake
+    assert (imports.torch_loaded_with() or {}).get("OMP_NUM_THREADS") == "3"

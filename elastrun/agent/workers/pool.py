@@ -52,8 +52,7 @@ READY_TIMEOUT = 300.0
 FORK_TIMEOUT = 30.0
 #: Variables read when the interpreter or a native library loads: a worker whose value differs
 #: from the template's cannot be forked from it faithfully.
-LOAD_TIME_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_TUNABLES", "OPENBLAS_", "GOTO", "MKL_", "KMP_",
-                      "GOMP_", "OMP_")
+LOAD_TIME_PREFIXES = template_fork.NATIVE_LOAD_PREFIXES
 #: Load-time variables the worker applies itself after the fork.
 APPLIED_IN_WORKER = frozenset({"PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE",
                                "OMP_NUM_THREADS"})
@@ -150,7 +149,7 @@ class PoolStarter(WorkerStarter):
         except OSError as exc:
             self._give_up(f"cannot set up the template ({exc})")
             return
-        reason = template_fork.why_not(self.own_process)
+        reason = template_fork.why_not(self.own_process, self.template_env)
         if reason is None:
             try:
                 self._proc = template_fork.start(self.template_env, theirs.fileno(), self.config.preload)

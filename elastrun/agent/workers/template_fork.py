@@ -14,7 +14,9 @@ The fork is used only where the child is what a fresh ``python`` that imported t
   an application's modules, threads and state);
 - torch not imported yet, so that it loads here with the template's environment: ``OMP_NUM_THREADS``
   (read by OpenMP at load) and ``TORCH_CPP_LOG_LEVEL`` (read by c10 at load: the agent quiets its
-  own store client afterwards with :func:`reread_cpp_log_level`);
+  own store client afterwards with :func:`reread_cpp_log_level`); or loaded already by
+  :func:`~elastrun.shared.imports.import_quickly` with the same load-time variables as the
+  template's (the test suite's warm starter, ``tests/warm.py``, forks agents from such a process);
 - one thread in the process, before and after the import.
 
 What the child leaves behind of the agent before it serves (:func:`_become_template`): its own
@@ -40,7 +42,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 
 from elastrun.shared import log
-from elastrun.shared.imports import import_quickly
+from elastrun.shared.imports import import_quickly, torch_loaded_with
 
 #: The template's own entry point, reached by name in the child: from the fork on, the child is not
 #: the agent, and it loads the worker's side of the package as the exec'd template's bootstrap does.
@@ -49,6 +51,11 @@ TEMPLATE_MODULE = "elastrun.worker.template"
 _FAILED = 70
 #: c10's ``initLogging()``: reads ``TORCH_CPP_LOG_LEVEL`` again (torch reads it once, at load).
 _INIT_LOGGING = "_ZN3c1011initLoggingEv"
+#: Variables the interpreter or a native library (OpenMP, OpenBLAS, MKL, the allocator) reads when it loads.
+NATIVE_LOAD_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_TUNABLES", "OPENBLAS_", "GOTO", "MKL_", "KMP_",
+                        "GOMP_", "OMP_")
+#: Those, and torch's own, that a torch loaded before the template must have loaded with as the template would.
+TORCH_LOAD_PREFIXES = (*NATIVE_LOAD_PREFIXES, "TORCH", "PYTORCH", "CUDA", "NCCL")
 
 
 class ForkedProcess:
@@ -94,14 +101,28 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def why_not(own_process: bool) -> str | None:
+def why_not(own_process: bool, template_env: Mapping[str, str]) -> str | None:
     """Why the template cannot be forked from this process now, or None."""
     if not own_process:
         return "the agent runs in a caller's process (elastrun.launch)"
     if "torch" in sys.modules:
-        return "torch was imported before the template's environment could be applied"
+        loaded = torch_loaded_with()
+        if loaded is None:
+            return "torch was imported before the template's environment could be applied"
+        name = loaded_differently(loaded, template_env)
+        if name is not None:
+            return f"torch was loaded with another {name} than the template's"
     if threading.active_count() != 1:
         return f"{threading.active_count()} threads run in the agent"
+    return None
+
+
+def loaded_differently(loaded: Mapping[str, str], template_env: Mapping[str, str]) -> str | None:
+    """The first variable read at load (:data:`TORCH_LOAD_PREFIXES`) that torch loaded with otherwise
+    than the template would, or None."""
+    for name in sorted(set(loaded) | set(template_env)):
+        if name.startswith(TORCH_LOAD_PREFIXES) and loaded.get(name) != template_env.get(name):
+            return name
     return None
 
 
