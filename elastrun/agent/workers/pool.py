@@ -83,12 +83,7 @@ def template_environment(base: Mapping[str, str], nproc: int) -> dict[str, str]:
 
 def load_time_mismatch(template_env: Mapping[str, str], worker_env: Mapping[str, str]) -> str | None:
     """The first load-time variable whose value differs between template and worker, or None."""
-    for name in sorted(set(template_env) | set(worker_env)):
-        if name in APPLIED_IN_WORKER or not name.startswith(LOAD_TIME_PREFIXES):
-            continue
-        if template_env.get(name) != worker_env.get(name):
-            return name
-    return None
+    return template_fork.first_difference(template_env, worker_env, LOAD_TIME_PREFIXES, APPLIED_IN_WORKER)
 
 
 class PoolHandle(ChildHandle):

@@ -109,7 +109,7 @@ def why_not(own_process: bool, template_env: Mapping[str, str]) -> str | None:
         loaded = torch_loaded_with()
         if loaded is None:
             return "torch was imported before the template's environment could be applied"
-        name = loaded_differently(loaded, template_env)
+        name = first_difference(loaded, template_env, TORCH_LOAD_PREFIXES)
         if name is not None:
             return f"torch was loaded with another {name} than the template's"
     if threading.active_count() != 1:
@@ -117,11 +117,13 @@ def why_not(own_process: bool, template_env: Mapping[str, str]) -> str | None:
     return None
 
 
-def loaded_differently(loaded: Mapping[str, str], template_env: Mapping[str, str]) -> str | None:
-    """The first variable read at load (:data:`TORCH_LOAD_PREFIXES`) that torch loaded with otherwise
-    than the template would, or None."""
-    for name in sorted(set(loaded) | set(template_env)):
-        if name.startswith(TORCH_LOAD_PREFIXES) and loaded.get(name) != template_env.get(name):
+def first_difference(a: Mapping[str, str], b: Mapping[str, str], prefixes: tuple[str, ...],
+                     exempt: frozenset[str] = frozenset()) -> str | None:
+    """The first variable named with one of ``prefixes`` (and not in ``exempt``) whose value differs between
+    the environments ``a`` and ``b``, or None: where a process loaded with ``a`` cannot stand for one
+    loaded with ``b``."""
+    for name in sorted(set(a) | set(b)):
+        if name.startswith(prefixes) and name not in exempt and a.get(name) != b.get(name):
             return name
     return None
 
