@@ -228,6 +228,41 @@ def test_of_two_silent_workers_the_frozen_one_is_the_hang_and_the_other_keeps_it
     assert s.session.phase is Phase.PAUSED
 
 
+def test_a_peer_silent_first_is_not_blamed_while_the_frozen_worker_it_waits_on_is_not_yet_silent(
+        setup, monkeypatch):
+    """The race of two ranks that beat a moment apart: rank 1 beat last and was then stopped, so rank 0,
+    blocked on it, passes its hang timeout first.  A check in between waits (the frozen rank 1 is not
+    silent long enough yet) instead of blaming rank 0; once rank 1 is silent too it is the hang, and
+    rank 0 keeps its process."""
+    monkeypatch.setattr(group_module, "HANG_GRACE", 5.0)
+    channel = StandInChannel()
+    s = setup(channel, hang_timeout=0.5)
+    result = round_result()
+    launches = s.launches(result)
+    s.group.start(result, launches)
+    blocked, hung = s.starter.started
+    hung.is_frozen = True
+    channel.answers[blocked.pid] = Paused(live=3, pid=blocked.pid)
+    s.beat(launches, {0: 0.6, 1: 0.0})
+    assert s.group.check(result) is None and s.claims == []
+    s.beat(launches, {0: 0.7, 1: 0.6})
+    end = s.group.check(result)
+    assert end is not None and end.outcome is Outcome.FAILED and end.reason == "the hang of rank 1"
+    assert [c.rank for c in s.claims] == [1] and [e["rank"] for e in s.named("hang_detected")] == [1]
+    assert blocked.poll() is None and signal.SIGABRT not in blocked.signals
+
+
+def test_a_silent_worker_is_blamed_at_once_when_its_peer_beats_and_runs(setup):
+    """Without a frozen peer (one node), a lone silent worker waits no grace."""
+    s = setup(hang_timeout=0.5)
+    result = round_result()
+    launches = s.launches(result)
+    s.group.start(result, launches)
+    s.beat(launches, {0: 0.6})
+    end = s.group.check(result)
+    assert end is not None and end.reason == "the hang of rank 0"
+
+
 def test_a_running_silent_worker_of_a_larger_round_waits_on_the_fault_claimed_first(setup, monkeypatch):
     """Its node waits out the grace (a frozen worker's node claims first), then finds another node's
     hang claimed: nobody here is blamed, the group ends as for a change elsewhere, the worker is paused."""
