@@ -24,6 +24,9 @@ Before them a crash (``gpu_job.py`` under ``elastrun --standalone``, SIGKILLed a
 from the kill to its replacement's first finished step); after them the raw rates (device to host into
 a page-locked and a pageable ``/dev/shm`` mapping; host to device through ``gpu/load.py``).
 
+With ``--teardown``, how a killed CUDA worker dies and what a replacement started at the kill could do
+meanwhile (``gpu_teardown.py``).
+
 Usage: ``python bench/bench_gpu.py [--models 126M,336M] [--modes ddp,fsdp] [--out results.json]``.
 Every part is bounded; a part that fails is reported and the others go on.
 """
@@ -57,6 +60,7 @@ sys.path.insert(0, str(REPO))
 
 import elastrun.train as et  # noqa: E402
 from bench.gpu_models import batch, build, state_bytes, step  # noqa: E402
+from bench.gpu_teardown import teardowns  # noqa: E402
 
 SHM = Path("/dev/shm")
 #: Pairs of blocks (without, with commit()) per measurement.
@@ -385,84 +389,6 @@ def crash(model: str, mode: str, *extra: str, timeout: float = 240.0) -> dict:
     return out
 
 
-_DYING = r"""
-import os, sys, time
-from pathlib import Path
-fd, device_gb, pinned_gb, where = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), Path(sys.argv[4])
-import torch
-from elastrun.train.gpu.device import CudaDevice
-from elastrun.train.slotmem import SlotMemory
-torch.cuda.set_device(0)
-held = torch.empty(int(device_gb * 1e9), dtype=torch.uint8, device="cuda").fill_(1)
-dev = CudaDevice(0)
-slots = [SlotMemory.make(where / f"slot{i}", int(pinned_gb * 1e9 / 3), dev) for i in range(3 if pinned_gb else 0)]
-torch.cuda.synchronize()
-os.write(fd, b"ready")
-time.sleep(600)
-"""
-
-
-def teardown(pinned_gb: float, device_gb: float = 20.0) -> dict:
-    """A CUDA process holding ``device_gb`` of device memory and ``pinned_gb`` of page-locked slots
-    (three ``/dev/shm`` mappings, as ``State`` makes) is SIGKILLed: the seconds until its socket's
-    other end reads EOF (its descriptors closed, early in the kernel's teardown), until its device
-    memory is free again, and until it is reaped (what the agent waits for); then a fresh process's
-    start with CUDA.  The H100 run of 2026-11-27: EOF within 1 ms, reaped in 0.11 s without pinned
-    slots and 1.07 s with 12 GB of them."""
-    import signal
-    import socket
-
-    mine, theirs = socket.socketpair()
-    where = Path(tempfile.mkdtemp(prefix="bench-dying-", dir=SHM))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-c", _DYING, str(theirs.fileno()), str(device_gb), str(pinned_gb),
-                             str(where)], pass_fds=[theirs.fileno()], env=env)  # fmt: skip
-    theirs.close()
-    out: dict = {"pinned_gb": pinned_gb, "device_gb": device_gb}
-    try:
-        mine.settimeout(120)
-        if mine.recv(16) != b"ready":
-            raise RuntimeError("the dying process did not get ready")
-        eof: list[float] = []
-        freed: list[float] = []
-        held = torch.cuda.mem_get_info()[0]  # free device memory while it lives (this process's context made)
-        t = time.perf_counter()
-
-        def read_eof() -> None:
-            mine.recv(16)
-            eof.append(time.perf_counter() - t)
-
-        def watch_memory() -> None:  # when its device memory is free again (a replacement may need it)
-            while time.perf_counter() - t < 30:
-                if torch.cuda.mem_get_info()[0] - held >= 0.9 * device_gb * 1e9:
-                    freed.append(time.perf_counter() - t)
-                    return
-                time.sleep(0.002)
-
-        watchers = [threading.Thread(target=fn, daemon=True) for fn in (read_eof, watch_memory)]
-        for w in watchers:
-            w.start()
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-        out["reaped_s"] = time.perf_counter() - t
-        for w in watchers:
-            w.join(timeout=60)
-        out["eof_s"] = eof[0] if eof else None
-        out["device_memory_free_s"] = freed[0] if freed else None
-        t = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import torch; torch.cuda.init(); torch.empty(1, device='cuda')"],
-                       check=True, timeout=120)  # fmt: skip
-        out["next_cuda_start_s"] = time.perf_counter() - t
-    except Exception as e:  # reported, the rest goes on
-        out["error"] = f"{type(e).__name__}: {e}"
-        proc.kill()
-        proc.wait(timeout=60)
-    finally:
-        mine.close()
-        shutil.rmtree(where, ignore_errors=True)
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="126M,336M")
@@ -471,7 +397,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--parts", default="restore,every1,dcp",
                    help="beside the default: restore, every1, dcp, profile (cProfile of a block with commit())")
-    p.add_argument("--teardown", action="store_true", help="how long a killed CUDA process takes to die")
+    p.add_argument("--teardown", action="store_true", help="how a killed CUDA process dies (gpu_teardown.py)")
     p.add_argument("--crash-split", action="store_true",
                    help="the crash again, its CUDA context made before the process group (their times apart)")
     p.add_argument("--crash", default="336M:ddp", help="model:mode of the crash measurement ('' to skip)")
@@ -494,7 +420,7 @@ def main() -> None:
             print(json.dumps(results["crash_cuda_first"]), flush=True)
         save()
     if a.teardown:
-        results["teardown"] = [teardown(pinned) for pinned in (0.0, 12.0)]
+        results["teardown"] = teardowns()
         print(json.dumps(results["teardown"]), flush=True)
         save()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

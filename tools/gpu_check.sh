@@ -15,6 +15,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
     df -h /dev/shm | tail -1
     uname -r
+    echo "transparent huge pages: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null);" \
+        "in shared memory: $(cat /sys/kernel/mm/transparent_hugepage/shmem_enabled 2>/dev/null);" \
+        "/dev/shm: $(findmnt -no OPTIONS /dev/shm 2>/dev/null | head -1)"
     nproc
 } 2>&1 | tee "$OUT/machine.txt"
 started=$(date +%s)
