@@ -65,7 +65,7 @@ for i in range(3 if pinned_gb else 0):
             mem[off:off + len(zeros)] = memoryview(zeros)[:size - off]
         at = address(mem)
     began = time.monotonic()
-    if torch.cuda.cudart().cudaHostRegister(at, size, 1) != 0:
+    if int(torch.cuda.cudart().cudaHostRegister(at, size, 1)) != 0:
         raise SystemExit("cudaHostRegister refused")
     pin_s += time.monotonic() - began
     slots.append(mem)
