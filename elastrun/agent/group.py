@@ -16,8 +16,9 @@ at once while the others are paused.  A node that finds another fault claimed fi
 as for a change elsewhere, blaming nobody: its silent workers leave their group like the others
 (one that cannot is the fallback: dumped and restarted after ``--reform-timeout``).  A silent worker
 that is still running may only wait on a peer, so its node claims after :data:`HANG_GRACE` (when the
-round has other nodes, or one of its own workers is frozen but not yet silent for long enough): a node
-whose worker is frozen claims first, and a frozen worker is chosen over the peers blocked on it.
+round has other nodes): a node whose worker is frozen claims first.  Nor is it blamed while a worker
+of its own node is frozen: that one, which may have beaten a moment later, is silent within its own
+timeout, and is then the culprit.
 
 Example (what the agent's loop does)::
 
@@ -271,7 +272,9 @@ class WorkerGroup:
         handle, reason = frozen[0] if frozen else min(
             silent, key=lambda hw: (self.trackers[hw[0].launch.local_rank].last_beat or 0.0, hw[0].launch.local_rank))
         now = time.monotonic()
-        if not frozen and (result.group_world_size > 1 or self._frozen_but_not_yet_silent(silent)):
+        if not frozen and self._frozen_but_not_yet_silent(silent):
+            return None  # that one is silent within its own timeout, and then the culprit
+        if not frozen and result.group_world_size > 1:
             self._silent_since = now if self._silent_since is None else self._silent_since
             if now - self._silent_since < max(HANG_GRACE, 3 * self.config.monitor_interval):
                 return None
@@ -294,8 +297,8 @@ class WorkerGroup:
     def _frozen_but_not_yet_silent(self, silent: list[tuple[WorkerHandle, str]]) -> bool:
         """Whether a local worker that is not yet past its hang timeout is frozen now.  Two ranks that
         beat a moment apart go silent a moment apart: when the one frozen beat last, its peer (blocked on
-        it) is silent first, and would be blamed by a check that fell in between.  The frozen one is
-        silent within the grace, and is then the culprit."""
+        it) is silent first, and would be blamed by a check that fell in between.  A frozen worker's
+        beats cannot advance, so the wait for it is bounded by its hang timeout."""
         silent_ranks = {h.launch.local_rank for h, _ in silent}
         return any(h.frozen() for h in self.workers if h.launch.local_rank not in silent_ranks
                    and h.launch.local_rank not in self.statuses and h.poll() is None)

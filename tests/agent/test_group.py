@@ -232,9 +232,9 @@ def test_a_peer_silent_first_is_not_blamed_while_the_frozen_worker_it_waits_on_i
         setup, monkeypatch):
     """The race of two ranks that beat a moment apart: rank 1 beat last and was then stopped, so rank 0,
     blocked on it, passes its hang timeout first.  A check in between waits (the frozen rank 1 is not
-    silent long enough yet) instead of blaming rank 0; once rank 1 is silent too it is the hang, and
-    rank 0 keeps its process."""
-    monkeypatch.setattr(group_module, "HANG_GRACE", 5.0)
+    silent long enough yet) instead of blaming rank 0, however long (no grace bounds it: a frozen rank's
+    beats cannot advance); once rank 1 is silent too it is the hang, and rank 0 keeps its process."""
+    monkeypatch.setattr(group_module, "HANG_GRACE", 0.0)
     channel = StandInChannel()
     s = setup(channel, hang_timeout=0.5)
     result = round_result()
@@ -244,6 +244,8 @@ def test_a_peer_silent_first_is_not_blamed_while_the_frozen_worker_it_waits_on_i
     hung.is_frozen = True
     channel.answers[blocked.pid] = Paused(live=3, pid=blocked.pid)
     s.beat(launches, {0: 0.6, 1: 0.0})
+    assert s.group.check(result) is None and s.claims == []
+    s.beat(launches, {0: 3.0, 1: 0.3})  # rank 1 still within its timeout, rank 0 silent for long
     assert s.group.check(result) is None and s.claims == []
     s.beat(launches, {0: 0.7, 1: 0.6})
     end = s.group.check(result)
