@@ -42,8 +42,9 @@ from elastrun.agent.hang import HangTracker, StartupHistory
 from elastrun.agent.launches import link_kept_logs
 from elastrun.agent.reform_session import ReformSession
 from elastrun.agent.report import AgentReport
+from elastrun.agent.workers.late_reaper import LateReaper
 from elastrun.agent.workers.reports import clear_reports, read_error_file, read_exit_report
-from elastrun.agent.workers.starter import ExitStatus, WorkerHandle, WorkerLaunch, WorkerStarter
+from elastrun.agent.workers.starter import ExitStatus, WorkerHandle, WorkerLaunch, WorkerStarter, devices_on_host
 from elastrun.config import LaunchConfig
 from elastrun.rendezvous.api import FailureRecord, RendezvousError, RoundResult
 from elastrun.shared.protocol import HEARTBEAT_ENV
@@ -113,6 +114,10 @@ class WorkerGroup:
         self._alive_at: dict[int, float] = {}
         #: The PIDs of the workers seen on their way out whose exit was hastened (once each).
         self._hastened: set[int] = set()
+        #: Whether a worker's SIGKILL counts as its death before the reaping: not on a host with GPUs (see
+        #: :func:`~elastrun.agent.workers.starter.devices_on_host`).  The workers so counted, reaped later.
+        self.act_on_kill = not devices_on_host()
+        self.late = LateReaper()
         #: What this node learnt of its workers' starts, across rounds: the start-up bound (see hang.py).
         self.history = StartupHistory(config.startup_timeout, config.hang_timeout)
         #: How each worker entered the round (``"kept"`` or its start method), and the kept ones' re-forms.
@@ -183,6 +188,7 @@ class WorkerGroup:
             self._reformed.update({lr: (r.source, r.step) for lr, r in done.reformed.items()})
             self.report.reform(result.round, time.monotonic() - done.detected_at, done.paused_in, sorted(done.kept),
                                sorted(done.restarted), done.sources, done.step)
+        self.late.reap()
         for handle in [h for h in self.workers if h.launch.local_rank not in self.statuses]:
             polled = time.time()
             status = handle.poll()
@@ -191,11 +197,16 @@ class WorkerGroup:
             if status is None:
                 if not handle.dying():
                     self._alive_at[handle.launch.local_rank] = polled
-                elif handle.pid not in self._hastened:  # on its way out: it runs none of its script, and
+                    continue
+                if handle.pid not in self._hastened:  # on its way out: it runs none of its script, and
                     self._hastened.add(handle.pid)  # its idle-priority threads must not hold up its end
                     handle.hasten()
-            else:
-                self._record_exit(result, handle, status)
+                if not (self.act_on_kill and handle.killed()):
+                    continue
+                # Killed: its status can only say SIGKILL, and the group goes on without waiting for its end.
+                status = ExitStatus(exitcode=None, signal=signal.SIGKILL, timestamp=time.time())
+                self.late.add(handle)
+            self._record_exit(result, handle, status)
         failed = [(h, self.statuses[h.launch.local_rank]) for h in self.workers
                   if h.launch.local_rank in self.statuses and not self.statuses[h.launch.local_rank].succeeded]
         if failed:
@@ -448,8 +459,10 @@ class WorkerGroup:
         self.kill()
 
     def _discard(self, handle: WorkerHandle) -> None:
-        """Kill and reap one worker."""
+        """Kill and reap one worker (one already counted dead is reaped by a later look)."""
         self.session.forget(handle)
+        if handle in self.late:
+            return
         if handle.poll() is None:
             handle.send_signal(signal.SIGKILL)
         handle.wait(5.0)
@@ -462,6 +475,8 @@ class WorkerGroup:
             if handle.poll() is None:
                 handle.send_signal(signal.SIGKILL)
         for handle in self.workers:
-            handle.wait(5.0)
-            handle.close()
+            if handle not in self.late:
+                handle.wait(5.0)
+                handle.close()
+        self.late.reap(timeout=5.0)  # killed already: nothing of theirs runs if they outlast the agent
         self.aftermath.stopped(self.workers)

@@ -32,6 +32,9 @@ class StandInHandle(WorkerHandle):
         self.is_frozen = False
         #: What :meth:`dying` answers (a test sets it: a SIGKILL pending, not yet reaped).
         self.is_dying = False
+        #: What :meth:`killed` answers, and whether a SIGKILL leaves it unreaped until the test ends it.
+        self.is_killed = False
+        self.outlives_kill = False
         #: How many times its exit was hastened (:meth:`hasten`).
         self.hastened = 0
         #: How many times its stacks were asked for (:meth:`dump_stacks`).
@@ -50,7 +53,7 @@ class StandInHandle(WorkerHandle):
 
     def send_signal(self, sig: int) -> None:
         self.signals.append(sig)
-        if sig == signal.SIGKILL:
+        if sig == signal.SIGKILL and not self.outlives_kill:
             self.exit(sig=signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> ExitStatus | None:
@@ -61,6 +64,9 @@ class StandInHandle(WorkerHandle):
 
     def dying(self) -> bool:
         return self.is_dying
+
+    def killed(self) -> bool:
+        return self.is_killed
 
     def hasten(self) -> int:
         self.hastened += 1

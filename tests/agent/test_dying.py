@@ -18,7 +18,14 @@ import time
 
 import pytest
 
-from elastrun.agent.workers.starter import hasten_exit, on_its_way_out, parse_stat, process_dying
+from elastrun.agent.workers.starter import (
+    hasten_exit,
+    killed_outright,
+    on_its_way_out,
+    parse_stat,
+    process_dying,
+    process_killed,
+)
 from elastrun.shared import priority
 from tests.harness import base_env
 
@@ -45,6 +52,48 @@ def test_unreadable_text_is_not_a_death():
     assert on_its_way_out(parse_stat(b"")) is False
     assert on_its_way_out(parse_stat(b"1 (x) S 1 2")) is False
     assert on_its_way_out(parse_stat(b"1 (x) S 1 2 3 4 5 zz")) is False
+
+
+def _fields(flags: int, pending: int, exit_code: int) -> list[bytes]:
+    """Fields of ``/proc/PID/stat`` after the command name (52 in all, as Linux 3.5 on writes them)."""
+    fields = [b"0"] * 50
+    fields[0], fields[6], fields[28], fields[49] = b"S", b"%d" % flags, b"%d" % pending, b"%d" % exit_code
+    return fields
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("flags", "pending", "exit_code", "expected"), [
+    (0x400000, 0, 0, False),  # running
+    (0x400000, 1 << 8, 0, True),  # a SIGKILL pending for the main thread
+    (0x400004, 0, 9, True),  # the main thread ended by SIGKILL, other threads still running their exit
+    (0x400004, 0, 0, False),  # the main thread left by itself (pthread_exit): the process may run on
+    (0x400004, 0, 3 << 8, False),  # exit(3): its status is the script's, not a kill
+    (0x400004, 0, 15, False),  # SIGTERM: it may have been the script's own handler's doing
+    (0x400000, 1 << 14, 0, False),  # SIGTERM pending: the script may still run (its handler)
+])
+def test_the_stat_file_tells_a_process_killed_outright(flags, pending, exit_code, expected):
+    assert killed_outright(_fields(flags, pending, exit_code)) is expected
+    # Without the exit-code field (before Linux 3.5) only a pending SIGKILL tells.
+    assert killed_outright(_fields(flags, pending, exit_code)[:40]) is bool(pending & 1 << 8)
+    assert killed_outright([]) is False
+
+
+@pytest.mark.e2e
+def test_a_killed_unreaped_child_counts_killed_and_one_that_exited_does_not():
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    exited = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    try:
+        assert process_killed(killed.pid) is False
+        killed.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10  # neither is reaped (no wait): zombies with their status
+        while not (process_killed(killed.pid) and process_dying(exited.pid)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process_killed(killed.pid) is True
+        assert process_dying(exited.pid) is True and process_killed(exited.pid) is False
+    finally:
+        killed.kill()
+        assert killed.wait(10) == -signal.SIGKILL and exited.wait(10) == 3
+    assert process_killed(killed.pid) is False  # reaped: gone, unknown
 
 
 @pytest.mark.e2e

@@ -265,6 +265,47 @@ def test_a_silent_worker_is_blamed_at_once_when_its_peer_beats_and_runs(setup):
     assert end is not None and end.reason == "the hang of rank 0"
 
 
+def test_a_killed_worker_counts_dead_before_its_reaping_and_a_later_look_reaps_it(setup):
+    """SIGKILLed, not yet reaped (its idle-priority thread waits for a core): its death is recorded at once as
+    a SIGKILL, the group ends without waiting for its end (the survivor is paused), and a later look reaps it."""
+    channel = StandInChannel()
+    s = setup(channel)
+    result = round_result()
+    launches = s.launches(result)
+    s.group.start(result, launches)
+    survivor, killed = s.starter.started
+    channel.answers[survivor.pid] = Paused(live=3, pid=survivor.pid)
+    s.group.act_on_kill = True  # a host without GPUs (this one's answer, whatever the test machine has)
+    killed.is_dying = killed.is_killed = killed.outlives_kill = True
+    end = s.group.check(result)
+    assert end is not None and end.outcome is Outcome.FAILED and end.reason == "the failure of rank 1"
+    assert end.failure is not None and end.failure.signal == "SIGKILL"
+    assert [(e["rank"], e["signal"]) for e in s.named("worker_exit")] == [(1, "SIGKILL")]
+    assert killed.hastened == 1 and killed.poll() is None and not killed.closed and killed in s.group.late
+    assert survivor.poll() is None and s.session.phase is Phase.PAUSED
+    killed.exit(sig=signal.SIGKILL)  # its last thread ended
+    second = round_result(round_=2, generation=1)
+    s.group.start(second, s.launches(second))
+    assert s.group.check(second) is None
+    assert killed.closed and len(s.group.late) == 0
+
+
+def test_on_a_host_with_gpus_a_killed_worker_counts_dead_only_once_reaped(setup):
+    """Its context still holds the card's memory until the kernel releases it, just before the reaping."""
+    s = setup()
+    result = round_result()
+    launches = s.launches(result)
+    s.group.start(result, launches)
+    _, killed = s.starter.started
+    s.group.act_on_kill = False
+    killed.is_dying = killed.is_killed = killed.outlives_kill = True
+    assert s.group.check(result) is None and s.named("worker_exit") == []
+    killed.exit(sig=signal.SIGKILL)
+    end = s.group.check(result)
+    assert end is not None and end.outcome is Outcome.FAILED and end.failure.signal == "SIGKILL"
+    assert len(s.group.late) == 0
+
+
 def test_a_running_silent_worker_of_a_larger_round_waits_on_the_fault_claimed_first(setup, monkeypatch):
     """Its node waits out the grace (a frozen worker's node claims first), then finds another node's
     hang claimed: nobody here is blamed, the group ends as for a change elsewhere, the worker is paused."""

@@ -130,6 +130,13 @@ class WorkerHandle(abc.ABC):
         unknown."""
         return process_dying(self.pid)
 
+    def killed(self) -> bool:
+        """Whether the worker's process is being ended by a SIGKILL, though not yet reaped
+        (:func:`process_killed`): its script will run no further, and its status will say SIGKILL.  The
+        agent need not wait for the reaping to act on that death (:func:`devices_on_host`).  False when
+        unknown."""
+        return process_killed(self.pid)
+
     def hasten(self) -> int:
         """Let the worker's low-priority threads run their exit now (:func:`hasten_exit`): call it once the
         worker is killed or seen on its way out.  How many threads were raised."""
@@ -189,8 +196,11 @@ class WorkerStarter(abc.ABC):
 _PF_EXITING = 0x4
 #: SIGKILL's bit in ``/proc/PID/stat``'s pending signals: the kernel adds a fatal SIGKILL to every thread's own set.
 _SIGKILL_BIT = 1 << (9 - 1)
-#: Where the flags and the pending signals are among the fields after the command name (fields 9 and 31).
-_FLAGS, _PENDING = 6, 28
+#: Where the flags, the pending signals and the main thread's exit status (in ``waitpid``'s form, Linux 3.5 on)
+#: are among the fields after the command name (fields 9, 31 and 52).
+_FLAGS, _PENDING, _EXIT_CODE = 6, 28, 49
+#: Device files through which a process drives a GPU (NVIDIA's, AMD's): a host that has none runs no GPU worker.
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")
 
 
 def stat_fields(pid: int) -> list[bytes]:
@@ -221,6 +231,34 @@ def on_its_way_out(fields: list[bytes]) -> bool:
         return bool(int(fields[_FLAGS]) & _PF_EXITING or int(fields[_PENDING]) & _SIGKILL_BIT)
     except (IndexError, ValueError):
         return False
+
+
+def process_killed(pid: int) -> bool:
+    """Whether process ``pid`` is being ended by a SIGKILL and not yet reaped; False when unknown.  One read of
+    ``/proc/PID/stat``."""
+    return killed_outright(stat_fields(pid))
+
+
+def killed_outright(fields: list[bytes]) -> bool:
+    """From the fields of a process's ``/proc/PID/stat`` after its command name: whether a SIGKILL is pending
+    for its main thread, or its main thread has ended with SIGKILL as its status (``PF_EXITING``, the other threads
+    still running their exit: a thread below normal priority on busy cores can take a minute).  Either way the
+    process runs no more of its code.  A main thread ended otherwise (``pthread_exit``, an exit code) does not
+    count: the process may still run, or its status is not known yet.  False on fields it cannot read."""
+    try:
+        if int(fields[_PENDING]) & _SIGKILL_BIT:
+            return True
+        return bool(int(fields[_FLAGS]) & _PF_EXITING) and int(fields[_EXIT_CODE]) & 0x7F == signal.SIGKILL
+    except (IndexError, ValueError):
+        return False
+
+
+def devices_on_host() -> bool:
+    """Whether this host has a GPU's device files.  A killed GPU worker still holds the card's memory until the
+    kernel has released its context, which comes last, just before the reaping (about 1 s for 12 GB of
+    page-locked memory on an H100, docs/benchmarks.md): its replacement could not have that memory yet.  So
+    on such a host the agent waits for the reaping; elsewhere it acts on :meth:`WorkerHandle.killed`."""
+    return any(os.path.exists(path) for path in GPU_DEVICE_FILES)
 
 
 def hasten_exit(pid: int) -> int:
