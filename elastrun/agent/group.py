@@ -75,6 +75,10 @@ class GroupEnd:
 HANG_GRACE = 1.0
 #: How long a hung worker has to write its stacks after SIGABRT before it is killed.
 DUMP_WAIT = 3.0
+#: Seconds a SIGKILLed worker may take to be reaped before its death is counted without the reaping (where
+#: :attr:`WorkerGroup.act_on_kill`).  A death normally takes milliseconds, and counted at the reaping it comes
+#: with all the worker wrote (its log's tail is the failure's message); a slow one is bounded by this.
+KILLED_REAP_WAIT = 0.1
 
 
 def _killed() -> ExitStatus:
@@ -118,6 +122,7 @@ class WorkerGroup:
         #: :func:`~elastrun.agent.workers.starter.devices_on_host`).  The workers so counted, reaped later.
         self.act_on_kill = not devices_on_host()
         self.late = LateReaper()
+        self._killed_at: dict[int, float] = {}  # pid -> when first seen killed and not reaped (monotonic)
         #: What this node learnt of its workers' starts, across rounds: the start-up bound (see hang.py).
         self.history = StartupHistory(config.startup_timeout, config.hang_timeout)
         #: How each worker entered the round (``"kept"`` or its start method), and the kept ones' re-forms.
@@ -131,7 +136,7 @@ class WorkerGroup:
         kept = self.session.take_kept()
         self._result = result
         self.workers, self.trackers, self.statuses, self._exit_reports, self._alive_at = [], {}, {}, {}, {}
-        self._entered, self._reformed, self._hastened = {}, {}, set()
+        self._entered, self._reformed, self._hastened, self._killed_at = {}, {}, set(), {}
         self._silent_since = None
         for launch in launches:
             local_rank = launch.local_rank
@@ -203,7 +208,10 @@ class WorkerGroup:
                     handle.hasten()
                 if not (self.act_on_kill and handle.killed()):
                     continue
-                # Killed: its status can only say SIGKILL, and the group goes on without waiting for its end.
+                seen = self._killed_at.setdefault(handle.pid, time.monotonic())
+                if time.monotonic() - seen < KILLED_REAP_WAIT:
+                    continue
+                # Killed and slow to end: its status can only say SIGKILL; the group goes on without its end.
                 status = ExitStatus(exitcode=None, signal=signal.SIGKILL, timestamp=time.time())
                 self.late.add(handle)
             self._record_exit(result, handle, status)

@@ -265,9 +265,10 @@ def test_a_silent_worker_is_blamed_at_once_when_its_peer_beats_and_runs(setup):
     assert end is not None and end.reason == "the hang of rank 0"
 
 
-def test_a_killed_worker_counts_dead_before_its_reaping_and_a_later_look_reaps_it(setup):
-    """SIGKILLed, not yet reaped (its idle-priority thread waits for a core): its death is recorded at once as
-    a SIGKILL, the group ends without waiting for its end (the survivor is paused), and a later look reaps it."""
+def test_a_killed_worker_counts_dead_before_its_reaping_and_a_later_look_reaps_it(setup, monkeypatch):
+    """SIGKILLed, not yet reaped after KILLED_REAP_WAIT (its idle-priority thread waits for a core): its death is
+    recorded as a SIGKILL, the group ends without waiting for its end (the survivor is paused), and a later look
+    reaps it."""
     channel = StandInChannel()
     s = setup(channel)
     result = round_result()
@@ -277,6 +278,8 @@ def test_a_killed_worker_counts_dead_before_its_reaping_and_a_later_look_reaps_i
     channel.answers[survivor.pid] = Paused(live=3, pid=survivor.pid)
     s.group.act_on_kill = True  # a host without GPUs (this one's answer, whatever the test machine has)
     killed.is_dying = killed.is_killed = killed.outlives_kill = True
+    assert s.group.check(result) is None  # a death normally ends within KILLED_REAP_WAIT: counted at the reaping
+    monkeypatch.setattr(group_module, "KILLED_REAP_WAIT", 0.0)
     end = s.group.check(result)
     assert end is not None and end.outcome is Outcome.FAILED and end.reason == "the failure of rank 1"
     assert end.failure is not None and end.failure.signal == "SIGKILL"
