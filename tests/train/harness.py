@@ -107,11 +107,18 @@ def restores(out: Path) -> dict[tuple[int, int], dict]:
     return found
 
 
+def complete_lines(text: str) -> list[str]:
+    """The lines of a file another process appends to, without a last one still being written: a reader can
+    see part of a write that crosses a page boundary (the file's size grows page by page)."""
+    lines = text.split("\n")
+    return [line for line in lines[:-1] if line]
+
+
 def committed_steps(out: Path) -> dict[int, list[dict]]:
     """Per step, the records of the latest attempt that ran it (the one whose commit counted)."""
     by_step: dict[int, list[dict]] = defaultdict(list)
     for p in out.glob("batches.r*.jsonl"):
-        for line in p.read_text().splitlines():
+        for line in complete_lines(p.read_text()):
             by_step[json.loads(line)["step"]].append(json.loads(line))
     return {s: [r for r in recs if r["attempt"] == max(x["attempt"] for x in recs)] for s, recs in by_step.items()}
 
