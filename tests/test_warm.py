@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests import warm
-from tests.harness import REPO, base_env, wait_until
+from tests.harness import REPO, base_env, remove_runtime_dirs, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -79,6 +79,7 @@ def test_a_warm_agent_takes_signals_by_pid_and_leads_its_own_session(tmp_path):
         for child in family:
             with contextlib.suppress(psutil.Error):
                 child.kill()
+        remove_runtime_dirs({proc.pid})  # a SIGKILLed agent leaves its /dev/shm directory
 
 
 @pytest.mark.skipif(warm.cold(), reason="ELASTRUN_TEST_COLD=1: every command is exec'd")
