@@ -32,24 +32,17 @@ STEPS_SCRIPT = SCRIPTS / "steps.py"
 _STEP_LINE = re.compile(r"step (\d+) rank (\d+) world (\d+) gen (\S+) t ([\d.]+)")
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago on ``host`` (for a test job's endpoints)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A free port for a test's server, below the kernel's ephemeral range, never handed out twice in one run.
 
-
-_quiet_handed_out: set[int] = set()
-
-
-def quiet_port(host: str = "127.0.0.1") -> int:
-    """A free port below the kernel's ephemeral range, never handed out twice in one test run.
-
-    For servers whose peers connect to each other while the last of them is still starting (the
-    members of an etcd cluster): ``free_port`` takes a port from the range the kernel also gives
-    outgoing connections, so a member's own peer connection could take the port a sibling was
-    about to listen on ("bind: address already in use").  Under pytest-xdist each worker draws from
-    a slice of its own, so two tests running at once are never handed the same port either.
+    A port taken from the ephemeral range (``bind(0)``) is free only a moment: the kernel also gives that range
+    to outgoing connections, so another process's connection could take the port a test's agent was about to
+    listen on ("address already in use": an etcd member's own peer connection, once; an agent's store, once).
+    Under pytest-xdist each worker draws from a slice of its own, so two tests running at once are never
+    handed the same port either.
     """
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -63,14 +56,14 @@ def quiet_port(host: str = "127.0.0.1") -> int:
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(start, start + size)
-        if port in _quiet_handed_out:
+        if port in _handed_out:
             continue
         with socket.socket() as sock:
             try:
                 sock.bind((host, port))
             except OSError:
                 continue
-        _quiet_handed_out.add(port)
+        _handed_out.add(port)
         return port
     raise RuntimeError(f"no free port below {low} on {host} after 200 tries")
 

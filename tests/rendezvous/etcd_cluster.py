@@ -25,7 +25,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.harness import quiet_port
+from tests.harness import free_port
 
 ETCD_BINARY = shutil.which("etcd") or "/usr/bin/etcd"
 
@@ -85,12 +85,12 @@ class EtcdCluster:
                  ports: list[tuple[int, int]] | None = None, tls: EtcdTLS | None = None,
                  data_root: str | None = None) -> None:
         self.tls = tls
-        self.metrics_ports = [quiet_port() for _ in range(size)] if tls else []
+        self.metrics_ports = [free_port() for _ in range(size)] if tls else []
         self.size = size
         self.host = host
         self.wrap = list(wrap or [])
         self.dir = Path(tempfile.mkdtemp(prefix="elastrun-etcd-", dir=data_root))  # data_root: e.g. a tmpfs
-        self.ports = ports or [(quiet_port(), quiet_port()) for _ in range(size)]
+        self.ports = ports or [(free_port(), free_port()) for _ in range(size)]
         self.procs: list[subprocess.Popen | None] = [None] * size
         self.names = [f"m{i}" for i in range(size)]
 
