@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from elastrun.agent.runtime import NodeService
 from elastrun.agent.workers.control_server import ControlChannel
-from elastrun.agent.workers.starter import WorkerHandle
+from elastrun.agent.workers.starter import WorkerHandle, thread_states
 from elastrun.shared.protocol import SOCKET_ENV, WAIT_ENV, Assign, Failed, Pause, Paused, Reformed
 
 #: How long a worker whose group broke on its own (a peer died) waits for its agent's pause: the
@@ -145,7 +145,9 @@ class ReformSession(NodeService):
             return f"could not leave its group: {answer.error[-200:]}"
         if handle.poll() is not None:
             return "exited while leaving its group"
-        return f"no answer to the pause within --reform-timeout ({self.timeout:g} s)"
+        threads = thread_states(handle.pid)  # Python's stacks come next (SIGABRT); the kernel's view is lost then
+        return f"no answer to the pause within --reform-timeout ({self.timeout:g} s)" + (
+            f"; its threads then: {threads}" if threads else "")
 
     def take_kept(self) -> dict[int, WorkerHandle]:
         """The paused workers, by local rank, for the new group to take back or discard."""

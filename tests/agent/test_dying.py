@@ -25,6 +25,7 @@ from elastrun.agent.workers.starter import (
     parse_stat,
     process_dying,
     process_killed,
+    thread_states,
 )
 from elastrun.shared import priority
 from tests.harness import base_env
@@ -154,6 +155,52 @@ def test_a_workers_low_priority_threads_are_raised_so_that_it_ends_at_once():
         child.kill()
         child.wait(10)
     assert hasten_exit(child.pid) == 0  # gone: nothing, no error
+
+
+_WAITING_THREADS = """
+import os, socket, sys, threading
+ready = threading.Barrier(3)
+def low():  # waits at idle priority (as a worker's snapshot copier does between copies)
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    ready.wait()
+    threading.Event().wait()
+def read(sock):
+    ready.wait()
+    sock.recv(1)
+a, b = socket.socketpair()
+threading.Thread(target=low, daemon=True).start()
+threading.Thread(target=read, args=(a,), daemon=True).start()
+ready.wait()
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_a_workers_threads_are_summed_up_from_the_kernel():
+    """What the agent says of a worker that did not answer its pause: the main thread's state (here blocked
+    reading stdin), then the others by state and wait channel (the reader in its socket's, the idle one on a
+    futex: two labels), the one at idle priority marked; nothing for a process gone."""
+    child = subprocess.Popen([sys.executable, "-c", _WAITING_THREADS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        summary = ""
+        deadline = time.monotonic() + 10  # the reader and the main thread reach their reads a moment after "ready"
+        while time.monotonic() < deadline:
+            summary = thread_states(child.pid)
+            others = summary.partition("; others: ")[2].split(", ")
+            if summary.startswith("main S") and sorted(part.split(" x ")[0] for part in others) == ["1", "1"]:
+                break  # the reader waits in recv, not for its turn on the interpreter lock with the idle one
+            time.sleep(0.02)
+        assert summary.startswith("main S") and "(" not in summary.partition(";")[0], summary
+        assert any(part.startswith("1 x S") and part.endswith(" (idle)") for part in others), summary
+        assert any(part.startswith("1 x S") and "(" not in part for part in others), summary
+    finally:
+        child.kill()
+        child.wait(10)
+    assert thread_states(child.pid) == ""
 
 
 #: Run without CAP_SYS_NICE (as root in a Docker container): the priorities that ``priority.lower`` gives a

@@ -184,6 +184,8 @@ def test_survivor_that_cannot_leave_is_restarted(work, procs, uninterrupted):
     assert {got[(1, r)]["pid"] for r in (0, 1)}.isdisjoint({first[(0, r)]["pid"] for r in (0, 1)}), got
     assert {got[(1, r)]["source"] for r in (0, 1)} == {"memory"}, got
     assert "re-formed in process" not in log, log[-3000:]
+    # The fallback says what the kernel saw of the silent worker's threads: its main thread stopped.
+    assert "no answer to the pause within --reform-timeout (1 s); its threads then: main T" in log, log[-3000:]
     assert final(out) == expected
     assert_exactly_once(out, SAMPLES, 2)
 

@@ -199,6 +199,10 @@ _SIGKILL_BIT = 1 << (9 - 1)
 #: Where the flags, the pending signals and the main thread's exit status (in ``waitpid``'s form, Linux 3.5 on)
 #: are among the fields after the command name (fields 9, 31 and 52).
 _FLAGS, _PENDING, _EXIT_CODE = 6, 28, 49
+#: Indexes of the nice value and the scheduling policy among those fields (``proc(5)``'s fields 19 and 41).
+_NICE, _POLICY = 16, 38
+#: ``SCHED_BATCH`` and ``SCHED_IDLE``'s numbers (``sched.h``).
+_LOW_POLICY_NAMES = {3: "batch", 5: "idle"}
 #: Device files through which a process drives a GPU (NVIDIA's, AMD's): a host that has none runs no GPU worker.
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")
 
@@ -259,6 +263,48 @@ def devices_on_host() -> bool:
     page-locked memory on an H100, docs/benchmarks.md): its replacement could not have that memory yet.  So
     on such a host the agent waits for the reaping; elsewhere it acts on :meth:`WorkerHandle.killed`."""
     return any(os.path.exists(path) for path in GPU_DEVICE_FILES)
+
+
+def thread_states(pid: int) -> str:
+    """What each thread of process ``pid`` does in the kernel now, in one line: the main thread, then the
+    others counted by state and wait channel (``proc(5)``), those below normal priority marked, e.g.
+    ``main S futex_do_wait; others: 2 x S futex_do_wait, 1 x S do_epoll_wait, 1 x R (idle)``.
+
+    Said where a worker did not answer its agent's pause: a main thread on a futex while a low-priority
+    thread is runnable points at a starved holder of the interpreter lock; one reading a socket, at a
+    collective still waiting on its peers.  Python's own stacks (:meth:`WorkerHandle.dump_stacks`) cannot
+    tell these apart.  "" when the process is gone or unreadable."""
+    try:
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except (OSError, ValueError):
+        return ""
+    main = ""
+    others: dict[str, int] = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as fh:
+                fields = parse_stat(fh.read())
+            with open(f"/proc/{pid}/task/{tid}/wchan", encoding="ascii", errors="replace") as fh:
+                wchan = fh.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if not fields:
+            continue
+        label = fields[0].decode() + (f" {wchan}" if wchan not in ("", "0") else "")  # "0": running, or hidden
+        try:
+            low = _LOW_POLICY_NAMES.get(int(fields[_POLICY])) or (f"nice {int(fields[_NICE])}"
+                                                                  if int(fields[_NICE]) > 0 else "")
+        except (IndexError, ValueError):
+            low = ""
+        label += f" ({low})" if low else ""
+        if tid == pid:
+            main = label
+        else:
+            others[label] = others.get(label, 0) + 1
+    if not main and not others:
+        return ""
+    rest = ", ".join(f"{n} x {label}" for label, n in sorted(others.items(), key=lambda kv: (-kv[1], kv[0])))
+    return f"main {main or 'gone'}" + (f"; others: {rest}" if rest else "")
 
 
 def hasten_exit(pid: int) -> int:
