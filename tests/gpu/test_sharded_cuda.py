@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 
 from tests.gpu.conftest import gpu_count, gpus
-from tests.train.harness import assert_exactly_once, restores, standalone
-from tests.train.test_sharded import EPOCHS, SAMPLES, digests, final, lose_and_join
+from tests.train.harness import assert_exactly_once, digests, final, restores, standalone
+from tests.train.test_sharded import EPOCHS, SAMPLES
+from tests.train.test_sharded_nodes import lose_and_join
 
 pytestmark = pytest.mark.e2e
 

@@ -107,6 +107,20 @@ def restores(out: Path) -> dict[tuple[int, int], dict]:
     return found
 
 
+def final(out: Path) -> dict:
+    """What the trainer's rank 0 wrote at the end: the last step and the SHA-256 of the parameters."""
+    return json.loads((out / "final.json").read_text())
+
+
+def digests(out: Path) -> dict[int, set[str]]:
+    """step -> the SHA-256s of the full parameters committed at that step (by any attempt; ``--fsdp`` runs)."""
+    found: dict[int, set[str]] = {}
+    for line in (out / "digest.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        found.setdefault(r["step"], set()).add(r["sha256"])
+    return found
+
+
 def complete_lines(text: str) -> list[str]:
     """The lines of a file another process appends to, without a last one still being written: a reader can
     see part of a write that crosses a page boundary (the file's size grows page by page)."""

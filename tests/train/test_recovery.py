@@ -15,6 +15,7 @@ from tests.train.harness import (
     assert_exactly_once,
     committed_steps,
     elastic,
+    final,
     remove_snapshot_dirs,
     restores,
     standalone,
@@ -25,10 +26,6 @@ pytestmark = pytest.mark.e2e
 
 SAMPLES, BATCH, EPOCHS = 96, 4, 2  # 12 steps an epoch at world size 2
 STEPS = SAMPLES // (BATCH * 2) * EPOCHS
-
-
-def final(out):
-    return json.loads((out / "final.json").read_text())
 
 
 def test_crashes_at_random_points_end_bit_for_bit_equal(work, procs, uninterrupted):

@@ -20,6 +20,7 @@ from tests.train.harness import (
     assert_exactly_once,
     committed_steps,
     elastic,
+    final,
     remove_snapshot_dirs,
     restores,
     standalone,
@@ -29,10 +30,6 @@ from tests.train.harness import (
 pytestmark = pytest.mark.e2e
 
 SAMPLES = 96
-
-
-def final(out: Path) -> dict:
-    return json.loads((out / "final.json").read_text())
 
 
 def events(log: Path, kind: str) -> list[dict]:
