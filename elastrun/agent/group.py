@@ -401,11 +401,16 @@ class WorkerGroup:
 
         ``dump``: a worker that was asked to leave and did not is sent SIGABRT first (its Python
         stacks go to its stderr), as a hung worker is.  ``dumping``: a doomed worker (a hung one)
-        sent SIGABRT at once instead of SIGKILL; it has :data:`DUMP_WAIT` s, while the others are
-        paused, to write its stacks before it is killed.  ``quiet``: the caller says who was kept.
+        sent SIGABRT instead of SIGKILL, with :data:`DUMP_WAIT` s to write its stacks: at once if it
+        runs; if it is frozen, cut off its peers first (:mod:`~elastrun.agent.workers.cutoff`) and let
+        run (SIGCONT) only once the others here have left their group.  ``quiet``: the caller says
+        who was kept.
         """
         self._note_deaths()
-        if dumping is not None and dumping.poll() is None:
+        dump_later = dumping is not None and dumping.poll() is None and dumping.frozen()
+        if dump_later and dumping is not None:
+            dumping.cut_off()  # its peers, here and on other nodes, see it gone while it sends nothing
+        if dumping is not None and dumping.poll() is None and not dump_later:
             dumping.send_signal(signal.SIGABRT)
             dumping.send_signal(signal.SIGCONT)
         dump_deadline = time.monotonic() + DUMP_WAIT
@@ -414,6 +419,10 @@ class WorkerGroup:
                 handle.send_signal(signal.SIGKILL)
         candidates = [h for h in self.workers if h.launch.local_rank not in doomed]
         kept, asked = self.session.pause(candidates, detected_at)
+        if dump_later and dumping is not None and dumping.poll() is None:
+            dumping.send_signal(signal.SIGABRT)
+            dumping.send_signal(signal.SIGCONT)
+            dump_deadline = time.monotonic() + DUMP_WAIT
         for handle in asked:
             if handle.pid in self.session.refused:
                 self.report.reform_fallback(handle, self.session.refused[handle.pid])

@@ -39,6 +39,8 @@ class StandInHandle(WorkerHandle):
         self.hastened = 0
         #: How many times its stacks were asked for (:meth:`dump_stacks`).
         self.dumps = 0
+        #: How many times its connections were cut (:meth:`cut_off`).
+        self.cuts = 0
 
     def exit(self, code: int | None = 0, sig: int | None = None) -> None:
         if self._status is None:
@@ -61,6 +63,10 @@ class StandInHandle(WorkerHandle):
 
     def frozen(self) -> bool:
         return self.is_frozen
+
+    def cut_off(self) -> int:
+        self.cuts += 1
+        return 1
 
     def dying(self) -> bool:
         return self.is_dying

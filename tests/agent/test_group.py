@@ -193,24 +193,54 @@ def test_a_death_after_the_script_returned_is_a_teardown_fault_not_a_failure(set
 
 
 def test_a_silent_worker_is_dumped_and_the_group_ends(setup):
-    s = setup(hang_timeout=0.5)
+    """A running silent worker is sent SIGABRT at once, before the others are paused: its stacks show
+    where it hangs, not where it went once its peers left."""
+    channel = StandInChannel()
+    s = setup(channel, hang_timeout=0.5)
     result = round_result()
     launches = s.launches(result)
     s.group.start(result, launches)
+    hung, other = s.starter.started
+    channel.answers[other.pid] = Paused(live=3, pid=other.pid)
+    order = record_order(channel, hung)
     s.beat(launches, {0: 5})
     end = s.group.check(result)
     assert end is not None and end.outcome is Outcome.FAILED and end.reason == "the hang of rank 0"
     assert end.failure is not None and end.failure.message.startswith("hang detected: no heartbeat for")
     assert s.starter.started[0].signals[:2] == [signal.SIGABRT, signal.SIGCONT]
-    assert signal.SIGKILL in s.starter.started[1].signals
+    assert order[:3] == ["SIGABRT", "SIGCONT", f"Pause to {other.pid}"], order  # a running one is not cut off
+    assert other.poll() is None and not other.signals  # paused and kept
     assert s.named("hang_detected")[0]["rank"] == 0
     assert [c.rank for c in s.claims] == [0]  # claimed in the rendezvous before it was acted on
     assert {e["rank"] for e in s.named("worker_stepping")} == {0, 1}  # both first beats were seen
 
 
+def record_order(channel: StandInChannel, handle) -> list[str]:
+    """What the group sends, in order: the channel's messages, and the signals ``handle`` gets."""
+    order: list[str] = []
+    send, send_signal, cut_off = channel.send, handle.send_signal, handle.cut_off
+
+    def sent(pid, message):
+        order.append(f"{type(message).__name__} to {pid}")
+        return send(pid, message)
+
+    def signalled(sig):
+        order.append(signal.Signals(sig).name)
+        send_signal(sig)
+
+    def cut():
+        order.append("cut off")
+        return cut_off()
+
+    channel.send, handle.send_signal, handle.cut_off = sent, signalled, cut
+    return order
+
+
 def test_of_two_silent_workers_the_frozen_one_is_the_hang_and_the_other_keeps_its_process(setup):
-    """Rank 1 is frozen (stopped); rank 0, silent longer, is blocked on it: rank 1 is dumped and killed
-    at once, rank 0 is paused and kept, and only rank 1 is blamed."""
+    """Rank 1 is frozen (stopped); rank 0, silent longer, is blocked on it: rank 1 is dumped and killed,
+    rank 0 is paused and kept, and only rank 1 is blamed.  Rank 1 is cut off its peers at once, and let
+    run for its dump (SIGCONT) only once rank 0 has left the group: resumed earlier, its collectives
+    would go on with rank 0 as it left."""
     channel = StandInChannel()
     s = setup(channel, hang_timeout=0.5)
     result = round_result()
@@ -219,10 +249,12 @@ def test_of_two_silent_workers_the_frozen_one_is_the_hang_and_the_other_keeps_it
     blocked, hung = s.starter.started
     hung.is_frozen = True
     channel.answers[blocked.pid] = Paused(live=3, pid=blocked.pid)
+    order = record_order(channel, hung)
     s.beat(launches, {0: 6, 1: 5})
     end = s.group.check(result)
     assert end is not None and end.outcome is Outcome.FAILED and end.reason == "the hang of rank 1"
     assert hung.signals[:2] == [signal.SIGABRT, signal.SIGCONT] and hung.poll() is not None
+    assert order[:4] == ["cut off", f"Pause to {blocked.pid}", "SIGABRT", "SIGCONT"], order
     assert blocked.poll() is None and signal.SIGABRT not in blocked.signals
     assert [e["rank"] for e in s.named("hang_detected")] == [1]
     assert s.session.phase is Phase.PAUSED

@@ -23,6 +23,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastrun.agent.workers.cutoff import cut_tcp_connections
 from elastrun.agent.workers.logs import tail_text
 from elastrun.shared import priority, stackdump
 
@@ -136,6 +137,11 @@ class WorkerHandle(abc.ABC):
         agent need not wait for the reaping to act on that death (:func:`devices_on_host`).  False when
         unknown."""
         return process_killed(self.pid)
+
+    def cut_off(self) -> int:
+        """Shut down the worker's TCP connections from outside (:mod:`~elastrun.agent.workers.cutoff`):
+        before a stopped worker is let run again, for its dump.  How many; 0 where not allowed."""
+        return cut_tcp_connections(self.pid)
 
     def hasten(self) -> int:
         """Let the worker's low-priority threads run their exit now (:func:`hasten_exit`): call it once the
