@@ -158,45 +158,59 @@ def test_a_workers_low_priority_threads_are_raised_so_that_it_ends_at_once():
 
 
 _WAITING_THREADS = """
-import os, socket, sys, threading
-ready = threading.Barrier(3)
-def low():  # waits at idle priority (as a worker's snapshot copier does between copies)
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    ready.wait()
-    threading.Event().wait()
-def read(sock):
-    ready.wait()
-    sock.recv(1)
+import os, socket, sys, threading, time
+r, w = os.pipe()
 a, b = socket.socketpair()
+tids = {}
+def low():  # put at idle priority by the test once it waits (as a worker's snapshot copier between copies)
+    tids["low"] = threading.get_native_id()
+    os.read(r, 1)
+def read():
+    tids["reader"] = threading.get_native_id()
+    a.recv(1)
 threading.Thread(target=low, daemon=True).start()
-threading.Thread(target=read, args=(a,), daemon=True).start()
-ready.wait()
-print("ready", flush=True)
+threading.Thread(target=read, daemon=True).start()
+while len(tids) < 2:
+    time.sleep(0.001)
+print(tids["low"], tids["reader"], flush=True)
 sys.stdin.read()
 """
+
+
+def _settled(pid: int, tids: list[int], looks: int = 5) -> bool:
+    """Whether every thread of ``tids`` (and the main one) sleeps at each of ``looks`` looks 20 ms apart: each
+    then waits in its own blocking call (none holds the interpreter lock, so none waits for it)."""
+    for _ in range(looks):
+        for tid in (pid, *tids):
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                if fh.read().rpartition(")")[2].split()[0] != "S":
+                    return False
+        time.sleep(0.02)
+    return True
 
 
 @pytest.mark.e2e
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
 def test_a_workers_threads_are_summed_up_from_the_kernel():
     """What the agent says of a worker that did not answer its pause: the main thread's state (here blocked
-    reading stdin), then the others by state and wait channel (the reader in its socket's, the idle one on a
-    futex: two labels), the one at idle priority marked; nothing for a process gone."""
+    reading stdin), then the others by state and wait channel, the one at idle priority marked (a pipe's
+    reader and a socket's reader: two labels); nothing for a process gone.  The idle one is lowered only
+    once it waits, so that it needs no CPU on busy cores."""
     child = subprocess.Popen([sys.executable, "-c", _WAITING_THREADS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
     try:
-        assert child.stdout.readline() == "ready\n"
-        summary = ""
-        deadline = time.monotonic() + 10  # the reader and the main thread reach their reads a moment after "ready"
-        while time.monotonic() < deadline:
-            summary = thread_states(child.pid)
-            others = summary.partition("; others: ")[2].split(", ")
-            if summary.startswith("main S") and sorted(part.split(" x ")[0] for part in others) == ["1", "1"]:
-                break  # the reader waits in recv, not for its turn on the interpreter lock with the idle one
+        low, reader = (int(t) for t in child.stdout.readline().split())
+        deadline = time.monotonic() + 30
+        while not _settled(child.pid, [low, reader]) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert summary.startswith("main S") and "(" not in summary.partition(";")[0], summary
-        assert any(part.startswith("1 x S") and part.endswith(" (idle)") for part in others), summary
-        assert any(part.startswith("1 x S") and "(" not in part for part in others), summary
+        os.sched_setscheduler(low, os.SCHED_IDLE, os.sched_param(0))
+        summary = thread_states(child.pid)
+        main, _, rest = summary.partition("; others: ")
+        others = rest.split(", ")
+        assert main.startswith("main S") and "(" not in main, summary
+        assert len(others) == 2 and all(part.startswith("1 x S") for part in others), summary
+        assert sorted(part.endswith(" (idle)") for part in others) == [False, True], summary
+        assert "(" not in next(part for part in others if not part.endswith(" (idle)")), summary
     finally:
         child.kill()
         child.wait(10)
