@@ -85,6 +85,12 @@ def _killed() -> ExitStatus:
     return ExitStatus(exitcode=None, signal=signal.SIGKILL, timestamp=time.time())
 
 
+def _abort_for_stacks(handle: WorkerHandle) -> None:
+    """SIGABRT (faulthandler writes its Python stacks, then it ends), and SIGCONT in case it is stopped."""
+    handle.send_signal(signal.SIGABRT)
+    handle.send_signal(signal.SIGCONT)
+
+
 def _no_claims(failure: FailureRecord) -> str | None:
     return None
 
@@ -407,21 +413,20 @@ class WorkerGroup:
         who was kept.
         """
         self._note_deaths()
-        dump_later = dumping is not None and dumping.poll() is None and dumping.frozen()
-        if dump_later and dumping is not None:
-            dumping.cut_off()  # its peers, here and on other nodes, see it gone while it sends nothing
-        if dumping is not None and dumping.poll() is None and not dump_later:
-            dumping.send_signal(signal.SIGABRT)
-            dumping.send_signal(signal.SIGCONT)
+        live = dumping if dumping is not None and dumping.poll() is None else None
+        frozen = live is not None and live.frozen()
+        if live is not None and frozen:
+            live.cut_off()  # its peers, here and on other nodes, see it gone while it sends nothing
+        elif live is not None:
+            _abort_for_stacks(live)
         dump_deadline = time.monotonic() + DUMP_WAIT
         for handle in self.workers:
             if handle.launch.local_rank in doomed and handle is not dumping and handle.poll() is None:
                 handle.send_signal(signal.SIGKILL)
         candidates = [h for h in self.workers if h.launch.local_rank not in doomed]
         kept, asked = self.session.pause(candidates, detected_at)
-        if dump_later and dumping is not None and dumping.poll() is None:
-            dumping.send_signal(signal.SIGABRT)
-            dumping.send_signal(signal.SIGCONT)
+        if live is not None and frozen and live.poll() is None:
+            _abort_for_stacks(live)
             dump_deadline = time.monotonic() + DUMP_WAIT
         for handle in asked:
             if handle.pid in self.session.refused:
@@ -430,8 +435,7 @@ class WorkerGroup:
         dumped = [dumping] if dumping is not None else []
         if dump and stuck:
             for handle in stuck:
-                handle.send_signal(signal.SIGABRT)
-                handle.send_signal(signal.SIGCONT)
+                _abort_for_stacks(handle)
             dumped += stuck
             dump_deadline = time.monotonic() + DUMP_WAIT
         for handle in dumped:
