@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from elastrun.shared.protocol import WAIT_ENV, Assign, Failed, Pause, Paused, Reformed, ToAgent, ToWorker
+from elastrun.shared.sockets import connected_tcp, socket_inodes
 from elastrun.train import copier, notes
 from elastrun.train.dist import DistInfo, forget_mesh_caches, init_distributed
 from elastrun.train.reformable import Reformable
@@ -64,38 +65,12 @@ class Reform(BaseException):
 
 
 # ------------------------------------------------------------------------------------- sockets
-def _socket_inodes() -> dict[int, int]:
-    """``{inode: fd}`` of this process's sockets."""
-    out = {}
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return out
-    for name in names:
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            out[int(target[8:-1])] = int(name)
-    return out
-
-
 def _connected_tcp(fd: int) -> socket.socket | None:
     """A duplicate of ``fd`` if it is a connected (not listening) TCP socket, else None."""
     try:
-        sock = socket.socket(fileno=os.dup(fd))
+        return connected_tcp(os.dup(fd))
     except OSError:
         return None
-    try:
-        tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
-        if tcp and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-            sock.getpeername()
-            return sock
-    except OSError:
-        pass
-    sock.close()
-    return None
 
 
 class GroupSockets:
@@ -110,16 +85,16 @@ class GroupSockets:
         self._group: set[int] = set()
 
     def init_begins(self) -> None:
-        self._before = set(_socket_inodes())
+        self._before = set(socket_inodes())
         self._group = set()
 
     def init_done(self) -> None:
         if self._before is not None:
-            self._group = set(_socket_inodes()) - self._before
+            self._group = set(socket_inodes()) - self._before
         self._before = None
 
     def _targets(self) -> dict[int, int]:
-        now = _socket_inodes()
+        now = socket_inodes()
         if self._before is not None:  # during an init: whatever it opened so far
             return {i: fd for i, fd in now.items() if i not in self._before}
         return {i: fd for i, fd in now.items() if i in self._group}
@@ -137,7 +112,7 @@ class GroupSockets:
 
     def peer_lost(self) -> bool:
         """Whether a connection of the group was closed by its peer (or is gone)."""
-        now = _socket_inodes()
+        now = socket_inodes()
         for inode in self._group:
             fd = now.get(inode)
             if fd is None:

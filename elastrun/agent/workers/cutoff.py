@@ -10,8 +10,8 @@ its peers see their connection end while it still sends nothing, and fail their 
 The agent takes a copy of each descriptor with ``pidfd_getfd(2)`` (Linux 5.6), which needs ptrace access
 to the worker (the agent is its ancestor; root, or no Yama restriction, or ``CAP_SYS_PTRACE``).  Where
 that is refused nothing is cut, and the agent still pauses this node's other workers before the SIGCONT
-(:meth:`elastrun.agent.group.WorkerGroup.end`).  Listening sockets are left alone: gloo aborts its
-process when its accept loop fails.  Unix sockets (the control channel) are left alone too.
+(:meth:`elastrun.agent.group.WorkerGroup.end`).  Listening and Unix sockets (the control channel) are left
+alone (:func:`elastrun.shared.sockets.connected_tcp`).
 
 Example::
 
@@ -28,6 +28,8 @@ import errno
 import os
 import socket
 
+from elastrun.shared.sockets import connected_tcp, socket_inodes
+
 #: ``pidfd_getfd``'s number: the same on every architecture (Linux 5.6's common system-call table).
 SYS_PIDFD_GETFD = 438
 
@@ -42,35 +44,26 @@ def _getfd(pidfd: int, fd: int) -> int:
 def cut_tcp_connections(pid: int) -> int:
     """Shut down (both ways) every connected TCP socket of process ``pid``, which keeps its descriptors:
     how many.  0 where the platform or the permissions do not allow it, or the process is gone."""
+    fds = socket_inodes(pid).values()
     try:
-        names = os.listdir(f"/proc/{pid}/fd")
         pidfd = os.pidfd_open(pid)
     except (OSError, AttributeError):  # gone, or no pidfd_open (Linux < 5.3, Python < 3.9)
         return 0
     cut = 0
     try:
-        for name in names:
-            try:
-                if not os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:["):
-                    continue
-            except OSError:
-                continue
-            fd = _getfd(pidfd, int(name))
+        for target in fds:
+            fd = _getfd(pidfd, target)
             if fd in (-errno.EPERM, -errno.ENOSYS, -errno.EACCES):
                 return cut  # not allowed here: the same for every other descriptor
             if fd < 0:
                 continue  # closed meanwhile
-            try:
-                sock = socket.socket(fileno=fd)
-            except OSError:
-                os.close(fd)
+            sock = connected_tcp(fd)
+            if sock is None:
                 continue
             try:
-                tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
-                if tcp and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    sock.shutdown(socket.SHUT_RDWR)
-                    cut += 1
-            except OSError:  # not connected
+                sock.shutdown(socket.SHUT_RDWR)
+                cut += 1
+            except OSError:
                 pass
             finally:
                 sock.close()
