@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from elastrun.shared.protocol import WAIT_ENV, Assign, Failed, Pause, Paused, Reformed, ToAgent, ToWorker
 from elastrun.shared.sockets import connected_tcp, socket_inodes
-from elastrun.train import copier, notes
+from elastrun.train import copier, notes, stuck
 from elastrun.train.dist import DistInfo, forget_mesh_caches, init_distributed
 from elastrun.train.reformable import Reformable
 from elastrun.worker import heartbeat, pg_guard
@@ -71,6 +71,21 @@ def _connected_tcp(fd: int) -> socket.socket | None:
         return connected_tcp(os.dup(fd))
     except OSError:
         return None
+
+
+def _ended(fd: int) -> bool | None:
+    """Whether connection ``fd`` reads end-of-file or an error (None: not a connected TCP socket)."""
+    sock = _connected_tcp(fd)
+    if sock is None:
+        return None
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.close()
 
 
 class GroupSockets:
@@ -110,26 +125,19 @@ class GroupSockets:
                     pass
                 sock.close()
 
+    def connections_open(self) -> int | None:
+        """How many of the group's connections could still carry a byte (None: it has none to watch).
+
+        A connection shut down (by the pause), closed by its peer, failed or closed here is not open."""
+        if not self._group:
+            return None
+        now = socket_inodes()
+        return sum(1 for inode in self._group if inode in now and _ended(now[inode]) is False)
+
     def peer_lost(self) -> bool:
         """Whether a connection of the group was closed by its peer (or is gone)."""
         now = socket_inodes()
-        for inode in self._group:
-            fd = now.get(inode)
-            if fd is None:
-                return True
-            sock = _connected_tcp(fd)
-            if sock is None:
-                continue
-            try:
-                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                    return True
-            except (BlockingIOError, InterruptedError):
-                pass
-            except OSError:
-                return True
-            finally:
-                sock.close()
-        return False
+        return any(inode not in now or _ended(now[inode]) for inode in self._group)
 
     def forget(self) -> None:
         self._before = None
@@ -151,8 +159,10 @@ class Link:
         #: Depth of State sections that must not be interrupted (a Reform is raised on leaving them).
         self.critical = 0
         self._main = threading.main_thread().ident
+        self._main_tid = threading.get_native_id()  # built on the training (main) thread, by run()
         self._client = ControlClient.from_env(self._on_message)
         self._previous_handler: Any = None
+        self._watching = False
         self.wait_s = float(os.environ.get(WAIT_ENV, "30") or 30)
 
     @property
@@ -198,6 +208,23 @@ class Link:
                     signal.pthread_kill(self._main, INTERRUPT_SIGNAL)
                 except (OSError, ValueError):
                     pass
+                self._watch_leave()
+
+    def _watch_leave(self) -> None:
+        """Tell the agent at once when the training thread cannot leave (:mod:`elastrun.train.stuck`)."""
+        main = self._main
+        if self._watching or main is None:
+            return
+        self._watching = True
+
+        def body() -> None:
+            try:
+                stuck.watch(main, self._main_tid, lambda: self.pause_pending and self.in_fn,
+                            self.sockets.connections_open, lambda why: self.send(Failed(error=why)))
+            finally:
+                self._watching = False
+
+        threading.Thread(target=body, name="elastrun-leave-watch", daemon=True).start()
 
     # -- training thread -------------------------------------------------------------------------
     def _on_interrupt(self, _signum: int, _frame: Any) -> None:
