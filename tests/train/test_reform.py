@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import uuid
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 
 from tests.harness import free_port, listening
 from tests.train.harness import (
+    PRELOAD,
     assert_exactly_once,
     committed_steps,
     elastic,
@@ -42,11 +44,16 @@ def events(log: Path, kind: str) -> list[dict]:
     return found
 
 
-def stopped(pid: int) -> bool:
+def kernel_state(pid: int) -> str:
+    """The state letter of ``pid``'s main thread ("" once it is gone)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
-        return False
+        return ""
+
+
+def stopped(pid: int) -> bool:
+    return kernel_state(pid) == "T"
 
 
 def test_worker_crashes_survivor_keeps_process_bit_for_bit(work, procs, uninterrupted):
@@ -187,17 +194,48 @@ def test_survivor_that_cannot_leave_is_restarted(work, procs, uninterrupted):
     assert_exactly_once(out, SAMPLES, 2)
 
 
+def test_survivor_stuck_in_a_lost_send_says_so_and_is_restarted_at_once(work, procs):
+    """gloo never ends a send whose bytes wait in its write queue when the connection fails
+    (tests/train/lost_send.py sets one up: rank 1 stops reading, then dies).  The survivor cannot
+    leave its group; it tells its agent so itself (elastrun.train.stuck) about 1 s after the pause,
+    where the agent alone would wait out --reform-timeout (30 s here) before restarting it."""
+    out = work / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "elastrun", "--standalone", "--nproc-per-node=2", PRELOAD, "--max-restarts=1",
+           "--reform-timeout=30", str(Path(__file__).with_name("lost_send.py")), str(out)]
+    agent = procs.start(cmd, work / "run.log")
+    wait_for(lambda: (out / "sending").exists() and (out / "attempted.r1").exists(), 60, "rank 0 sending")
+    victim, sender = int((out / "attempted.r1").read_text()), int((out / "sending").read_text())
+    wait_for(lambda: stopped(victim), 10, "rank 1 stopped before reading")
+    wait_for(lambda: kernel_state(sender) == "S", 10, "rank 0 asleep in its send")
+    os.kill(victim, signal.SIGKILL)
+    assert agent.wait(60) == 0, (work / "run.log").read_text()[-3000:]
+    log = (work / "run.log").read_text()
+    assert f"rank 0 (pid {sender}) is restarted instead of re-formed in its process: could not leave its group: " \
+           "stuck in send (distributed_c10d.py:" in log, log[-3000:]
+    assert "no answer to the pause" not in log, log[-3000:]
+
+
 def test_node_loss_and_join_keep_the_survivor_process(work, procs):
     """2 → 1 → 2 nodes: the surviving node's worker keeps its PID throughout, the joiner gets the state
     from it (the survivor, waiting in ``time.sleep``, rolls back from its own objects); every sample
-    is used once per epoch."""
+    is used once per epoch.
+
+    Node B is killed while both ranks wait between steps.  Killed in the middle of a collective, it can
+    leave A's worker in a send that gloo never ends, which no process can leave (the worker says so
+    and is restarted: ``test_survivor_stuck_in_a_lost_send_says_so_and_is_restarted_at_once``)."""
     samples, epochs = 240, 2
     out = work / "out"
     out.mkdir()
     hold = work / "hold"  # while it exists, A alone waits (in time.sleep) for a joiner: no race with the end
+    pause = work / "pause"  # while it exists, each rank waits after committing the step it names
     run_id = f"reform-test-{uuid.uuid4().hex[:8]}"
     port = free_port()
-    args = ["--samples", str(samples), "--epochs", str(epochs), "--sleep", "0.1", "--reform", "--hold-file", str(hold)]
+    args = ["--samples", str(samples), "--epochs", str(epochs), "--sleep", "0.1", "--reform", "--hold-file", str(hold),
+            "--pause-file", str(pause)]
+
+    def paused_at() -> set[str]:
+        return {p.read_text() for p in out.glob("paused.r*")} if len(list(out.glob("paused.r*"))) == 2 else set()
     hold.touch()
     try:
         a = procs.start(elastic(out, port, run_id, args), work / "a.log")
@@ -212,9 +250,15 @@ def test_node_loss_and_join_keep_the_survivor_process(work, procs):
         wait_for(lambda: committed_steps(out), 60, "a committed step at world size 2")
         first = max(committed_steps(out))
         wait_for(lambda: max(committed_steps(out)) >= first + 6, 60, "progress at world size 2")
+        # both ranks wait after the same step, a few steps ahead (a file that appeared between their checks
+        # of one step would stop one of them there, the other in that next step's collective)
+        (work / "pause.new").write_text(str(max(committed_steps(out)) + 3))
+        os.rename(work / "pause.new", pause)
+        wait_for(lambda: len(paused_at()) == 1, 60, "both ranks waiting after the same step")
         os.killpg(b.pid, signal.SIGKILL)  # node loss: agent and worker
         b.wait(10)
         wait_for(lambda: any(k[0] > grown and v["world_size"] == 1 for k, v in restores(out).items()), 60, "world 1")
+        pause.unlink()
         shrink = max(k[0] for k, v in restores(out).items() if v["world_size"] == 1)
         wait_for(lambda: max(committed_steps(out)) >= restores(out)[(shrink, 0)]["step"] + 6, 60, "progress at 1")
         hold.touch()
@@ -227,8 +271,7 @@ def test_node_loss_and_join_keep_the_survivor_process(work, procs):
     got = restores(out)
     logs = "\n".join((work / n).read_text()[-1500:] for n in ("a.log", "b.log", "b2.log"))
     a_pid = got[(shrink, 0)]["pid"]
-    # "live" unless the loss found the survivor between its optimizer step and its commit ("memory")
-    assert got[(shrink, 0)]["source"] in ("live", "memory"), (got, logs)
+    assert got[(shrink, 0)]["source"] == "live", (got, logs)  # the loss found it waiting after a commit
     grow = max(k[0] for k, v in got.items() if v["world_size"] == 2)
     assert grow > shrink, (got, logs)
     at_grow = sorted((v["pid"] == a_pid, v["source"]) for k, v in got.items() if k[0] == grow)

@@ -67,7 +67,9 @@ def main() -> None:
     p.add_argument("--reform", action="store_true", help="run the training body with et.run (in-process re-forms)")
     p.add_argument("--hold-file", default=None, help="below --hold-world, wait (at most 120 s) while this file exists")
     p.add_argument("--hold-world", type=int, default=2)
-    p.add_argument("--pause-file", default=None, help="from step --pause-after, wait (120 s at most) while it exists")
+    p.add_argument("--pause-file", default=None,
+                   help="from step --pause-after (or the step the file holds), wait (120 s at most) while it exists, "
+                   "in OUT/paused.rRANK")
     p.add_argument("--pause-after", type=int, default=0)
     a = p.parse_args()
 
@@ -121,6 +123,15 @@ def main() -> None:
     if rank == 0:
         (out / "final.json").write_text(json.dumps({"step": state.step, "sha256": sha}))
     print(f"rank {rank} done at step {state.step}", flush=True)
+
+
+def pause_from(path: str) -> float:
+    """The step from which a rank waits while ``path`` exists (the number it holds, else 0); inf without it."""
+    try:
+        text = Path(path).read_text().strip()
+    except FileNotFoundError:
+        return float("inf")
+    return int(text) if text else 0
 
 
 def build_net() -> torch.nn.Module:
@@ -279,7 +290,9 @@ def train(a, out: Path, net, model, opt, sampler, loader, state) -> bool | None:
                     kill_self()
                 if a.sleep:
                     time.sleep(a.sleep)
-                if a.pause_file and step >= a.pause_after:  # the test acts on a paused job (the agents go on)
+                if a.pause_file and step >= max(a.pause_after, pause_from(a.pause_file)):
+                    # the test acts on a paused job (the agents go on); it knows from this file that this rank waits
+                    (out / f"paused.r{rank}").write_text(str(step))
                     deadline = time.monotonic() + 120
                     while os.path.exists(a.pause_file) and time.monotonic() < deadline:
                         if a.fsdp:
