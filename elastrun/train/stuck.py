@@ -38,7 +38,7 @@ GRACE_S = 1.0
 BOUND_S = 60.0
 #: Where a call waits on a collective: a torch frame under one of these folders.
 _COLLECTIVE_DIRS = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/")
-_POLL_S = 0.05
+_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -51,13 +51,18 @@ class Sample:
     cpu: int  #: CPU time used so far, in clock ticks (user + system)
 
 
+def in_collective(file: str) -> bool:
+    """Whether a frame of ``file`` is one where a call waits on a collective."""
+    return any(d in file for d in _COLLECTIVE_DIRS)
+
+
 def cannot_return(first: Sample, last: Sample, connections_open: int | None) -> bool:
     """Whether a training thread seen as ``first`` then, :data:`GRACE_S` later, as ``last`` is stuck for
     good in a collective of a group with ``connections_open`` connections left (None: the group had
     none to watch, as at world size 1)."""
     return (
         connections_open == 0
-        and any(d in first.file for d in _COLLECTIVE_DIRS)
+        and in_collective(first.file)
         and last.where == first.where
         and last.state in ("S", "D")
         and last.cpu == first.cpu
@@ -94,15 +99,16 @@ def watch(ident: int, tid: int, leaving: Callable[[], bool], connections_open: C
     deadline = time.monotonic() + BOUND_S
     first: Sample | None = None
     since = 0.0
-    while time.monotonic() < deadline and leaving():
+    while True:
+        time.sleep(_POLL_S)  # first: a worker that leaves at once, the usual case, is never looked at
+        if time.monotonic() >= deadline or not leaving():
+            return False
         now = sample(ident, tid)
-        if now is None or connections_open() != 0:
+        if now is None or not in_collective(now.file) or connections_open() != 0:
             first = None
         elif first is None or now.where != first.where or now.cpu != first.cpu:
             first, since = now, time.monotonic()
-        elif time.monotonic() - since >= GRACE_S and cannot_return(first, now, connections_open()):
+        elif time.monotonic() - since >= GRACE_S and cannot_return(first, now, 0):
             report(f"stuck in {first.where} {GRACE_S:g} s after every connection of its group closed, "
                    "using no CPU: a collective that cannot return (gloo lost a queued send)")
             return True
-        time.sleep(_POLL_S)
-    return False
