@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from elastrun.shared.procstat import stat_fields
+
 MAGIC = b"ELSTEP1\n"
 HEADER_SIZE = 256
 RECORD = struct.Struct("<BBxxiiiqddd")
@@ -86,8 +88,7 @@ class ProcessLog:
 def process_created() -> float:
     """This process's creation time (Unix time, 10 ms resolution), from /proc; now if unreadable."""
     try:
-        with open("/proc/self/stat") as fh:
-            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        ticks = int(stat_fields("self")[19])
         since_boot = ticks / os.sysconf("SC_CLK_TCK")
         return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
     except (OSError, ValueError, IndexError):

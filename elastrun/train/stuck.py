@@ -16,7 +16,8 @@ from its memory snapshot.  With it, the worker says so itself (``Failed``) as so
 restart starts about 1 s after the pause.  Certain means, together:
 
 * the pause is still unanswered and the training thread is in the user's function;
-* every TCP connection of the group is closed (gloo closes a connection when it fails);
+* no TCP connection of the group can carry a byte any more: each is shut down (by the pause), closed by
+  its peer, or closed here (gloo closes a connection when it fails);
 * the training thread's innermost Python frame is in ``torch.distributed``, ``torch.autograd`` or
   ``torch.nn.parallel`` (a collective, or DDP's backward waiting for one), and has been the same frame
   for :data:`GRACE_S` seconds, asleep, without using any CPU time.
@@ -31,6 +32,8 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from elastrun.shared.procstat import stat_fields
 
 #: How long the training thread must sit still in the same torch frame, every connection closed.
 GRACE_S = 1.0
@@ -76,15 +79,13 @@ def sample(ident: int, tid: int) -> Sample | None:
     frame = sys._current_frames().get(ident)
     if frame is None:
         return None
-    try:
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    fields = stat_fields("self", tid)
+    if len(fields) < 13:
         return None
     code = frame.f_code
     name = code.co_filename.rsplit("/", 1)[-1]
     return Sample(file=code.co_filename, where=f"{code.co_name} ({name}:{frame.f_lineno})",
-                  state=fields[0], cpu=int(fields[11]) + int(fields[12]))
+                  state=fields[0].decode(), cpu=int(fields[11]) + int(fields[12]))
 
 
 def watch(ident: int, tid: int, leaving: Callable[[], bool], connections_open: Callable[[], int | None],

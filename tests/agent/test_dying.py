@@ -22,12 +22,12 @@ from elastrun.agent.workers.starter import (
     hasten_exit,
     killed_outright,
     on_its_way_out,
-    parse_stat,
     process_dying,
     process_killed,
     thread_states,
 )
 from elastrun.shared import priority
+from elastrun.shared.procstat import parse_stat
 from tests.harness import base_env
 
 #: The shape of a real ``/proc/PID/stat`` (a command name with a space and a parenthesis, as Python allows): the
@@ -222,6 +222,7 @@ def test_a_workers_threads_are_summed_up_from_the_kernel():
 _NO_CAP_SYS_NICE = """
 import os, threading
 from elastrun.shared import priority
+from elastrun.shared.procstat import parse_stat
 from elastrun.train import copier
 
 class Job:  # stands in for a snapshot copy: the helper runs it until it is let go

@@ -26,6 +26,7 @@ from pathlib import Path
 from elastrun.agent.workers.cutoff import cut_tcp_connections
 from elastrun.agent.workers.logs import tail_text
 from elastrun.shared import priority, stackdump
+from elastrun.shared.procstat import stat_fields
 
 
 @dataclass
@@ -213,21 +214,6 @@ _LOW_POLICY_NAMES = {3: "batch", 5: "idle"}
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")
 
 
-def stat_fields(pid: int) -> list[bytes]:
-    """The fields of ``/proc/PID/stat`` after the command name (the state first), or [] when unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return parse_stat(fh.read())
-    except OSError:
-        return []
-
-
-def parse_stat(stat: bytes) -> list[bytes]:
-    """A ``/proc/PID/stat`` line's fields after the command name, which may hold spaces and parentheses."""
-    _, paren, rest = stat.rpartition(b")")
-    return rest.split() if paren else []
-
-
 def process_dying(pid: int) -> bool:
     """Whether process ``pid`` exits now (``PF_EXITING``) or a SIGKILL waits for its main thread; False when
     unknown.  One read of ``/proc/PID/stat`` (about 20 µs): the agent asks it of every running worker at each look."""
@@ -288,8 +274,7 @@ def thread_states(pid: int) -> str:
     others: dict[str, int] = {}
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as fh:
-                fields = parse_stat(fh.read())
+            fields = stat_fields(pid, tid)
             with open(f"/proc/{pid}/task/{tid}/wchan", encoding="ascii", errors="replace") as fh:
                 wchan = fh.read().strip()
         except OSError:  # the thread ended meanwhile
