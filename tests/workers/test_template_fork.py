@@ -52,6 +52,7 @@ PROBE = textwrap.dedent(
         "sigterm": str(signal.getsignal(signal.SIGTERM)), "sigint": str(signal.getsignal(signal.SIGINT)),
         "env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "TORCH_", "PYTORCH_"))},
         "torch_threads": torch.get_num_threads(), "gc_enabled": gc.isenabled(),
+        "frozen": gc.get_freeze_count(),
     }
     with open(sys.argv[1], "w") as fh:
         json.dump(report, fh)
@@ -90,6 +91,9 @@ def test_the_command_forks_its_template_and_the_worker_keeps_nothing_of_the_agen
         assert forked[key] == execd[key], key
     assert forked["env"]["OMP_NUM_THREADS"] == "1" and forked["torch_threads"] == 1
     assert forked["gc_enabled"]  # the template imports with its collector paused, and puts it back
+    # torch's objects reach the worker frozen (no collection there walks, and so copies, their pages);
+    # an exec'd worker has frozen nothing.
+    assert forked["frozen"] > 100_000 and execd["frozen"] == 0, (forked["frozen"], execd["frozen"])
     assert "TORCH_CPP_LOG_LEVEL" not in forked["env"]  # the agent's own setting stays the agent's
 
 
