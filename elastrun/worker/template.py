@@ -31,7 +31,6 @@ atexit handlers, non-daemon threads, flushing, death by SIGINT after ``KeyboardI
 
 from __future__ import annotations
 
-import gc
 import importlib
 import io
 import json
@@ -64,17 +63,12 @@ class Job:
 
 # ---------------------------------------------------------------------------------------- template
 def _import_all(preload: list[str]) -> list[str]:
-    """Import the base modules and ``preload`` (the collector paused: :mod:`elastrun.shared.imports`), then
-    freeze every object this process has; returns the preload modules that failed to import.
-
-    The objects that exist now are shared by every worker: frozen, no collection in a worker walks them,
-    and so none touches (and copies) their pages.  They are frozen before the collector resumes, without
-    a full collection first: that collection (0.1 s on two cores) and the collector's first run after the
-    pause (which walks all the imports made, 0.04 s) both stood between the imports and the first
-    worker, and freed about 1,700 objects of the 120,000 made (torch 2.13), which now stay for good.
-    """
+    """Import the base modules and ``preload`` with the collector paused, then freeze every object this
+    process has (:func:`elastrun.shared.imports.collector_paused`); returns the preload modules that failed
+    to import.  Those objects are shared by every worker: frozen, no collection in a worker walks them, and
+    so none touches (and copies) their pages."""
     failed = []
-    with collector_paused():
+    with collector_paused(freeze=True):
         for name in BASE_IMPORTS:
             importlib.import_module(name)
         for name in preload:
@@ -82,7 +76,6 @@ def _import_all(preload: list[str]) -> list[str]:
                 importlib.import_module(name)
             except Exception as exc:  # a bad --preload must not cost the pool: the worker imports it itself
                 failed.append(f"{name} ({type(exc).__name__}: {exc})")
-        gc.freeze()
     return failed
 
 

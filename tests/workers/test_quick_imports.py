@@ -54,3 +54,21 @@ def test_a_failing_import_puts_the_collector_back(module_dir):
         assert not gc.isenabled()
         raise ValueError
     assert gc.isenabled()
+
+
+def test_a_block_asked_to_freeze_freezes_what_it_made_before_the_collector_resumes():
+    assert gc.isenabled()
+    try:
+        with collector_paused(freeze=True):
+            made = [[] for _ in range(1000)]
+            frozen_before = gc.get_freeze_count()
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= frozen_before + len(made)
+        assert gc.get_count()[0] < len(made)  # none of them waits in the youngest generation
+        unfrozen = gc.get_freeze_count()
+        with pytest.raises(ValueError), collector_paused(freeze=True):
+            made.append([])
+            raise ValueError
+        assert gc.get_freeze_count() == unfrozen  # a block that failed freezes nothing
+    finally:
+        gc.unfreeze()

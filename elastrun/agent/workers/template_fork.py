@@ -131,15 +131,12 @@ def first_difference(a: Mapping[str, str], b: Mapping[str, str], prefixes: tuple
 def start(template_env: Mapping[str, str], sock_fd: int, preload: Sequence[str]) -> ForkedProcess | None:
     """Import torch here with ``template_env``, then fork the template; None (nothing started) where
     the import left more than one thread (the caller then execs the template)."""
-    with collector_paused():
+    # Every object the agent has then (torch's, mostly) leaves the collector's care for good, as Python's
+    # gc.freeze() documentation advises before a fork: the template's collections (and the agent's later
+    # ones) no longer walk them (0.3 CPU-s less per node start, docs/benchmarks.md), and no collection in
+    # either process writes to, and so copies, the pages they share.
+    with collector_paused(freeze=True):
         _import_torch(template_env)
-        # Every object the agent has now (torch's, mostly) leaves the collector's care for good, as
-        # Python's gc.freeze() documentation advises before a fork: the template's collections (and the
-        # agent's later ones) no longer walk them (0.3 CPU-s less per node start, docs/benchmarks.md),
-        # and no collection in either process writes to, and so copies, the pages they share.  Frozen
-        # before the collector resumes: its first run would otherwise walk every object the import made
-        # (they all wait in the youngest generation), 0.07 s on the way to the first fork.
-        gc.freeze()
     if threading.active_count() != 1:
         return None
     for stream in (sys.stdout, sys.stderr):
