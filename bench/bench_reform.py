@@ -13,7 +13,8 @@ Figures, each from the fault until every rank of the new group has committed a s
 - node loss: the second agent and its worker are SIGKILLed; split into detection (until the
   survivor's agent logs the change) and the rest (re-form or restart);
 - node join: a second agent starts beside one that trains alone; also measured from the joiner's
-  worker start (its agent's ``worker_start`` event: the agent is past its imports and rendezvous);
+  worker start (its agent's ``worker_start`` event: the agent is past its imports and rendezvous),
+  and by how long the ranks already training stood still (their last step before, first after);
 - hang: rank 1's worker is SIGSTOPped (``--hang-timeout=2``); split into detection (until the first
   ``hang_detected`` event) and the rest, with the ranks the agents blamed (torchrun has no hang
   detection: it waits for ever, so it is not run);
@@ -174,6 +175,22 @@ def start_agents(t: Trial, way: str, port: int, nnodes: str, count: int, first: 
     return procs
 
 
+def survivors_idle(t: Trial, world: int, after: float) -> dict:
+    """How long the ranks already training stood still for a join to ``world``: from the end of their
+    last step at ``world - 1`` to the start of their first step at ``world`` (the longest of them)."""
+    last: dict[int, float] = {}
+    first: dict[int, float] = {}
+    for e in t.events():
+        if e["ev"] != "step" or e["rank"] >= world - 1:
+            continue
+        if e["world"] == world - 1:
+            last[e["rank"]] = max(last.get(e["rank"], 0.0), e["t"])
+        elif e["world"] == world and e["t"] > after:
+            first[e["rank"]] = min(first.get(e["rank"], float("inf")), e["t0"])
+    gaps = [first[r] - last[r] for r in first if r in last]
+    return {"survivors idle": max(gaps)} if len(gaps) == world - 1 else {}
+
+
 def steady_after(t: Trial, world: int, after: float, steps: int = STEADY_STEPS) -> dict:
     """The new group's steady step, to read its first step against: the median interval between the
     committed steps that follow its first (rank 0's), waited for (bounded)."""
@@ -232,6 +249,8 @@ def join(way: str) -> dict:
             out["from joiner ready"] = back - started["ts"]
             out.update(joiner_split(t, n, started["ts"], back))
         out.update(split_first_step(t, n, joined, back))
+        if back is not None:
+            out.update(survivors_idle(t, n, joined))
         if back is not None and FSDP:
             out.update(steady_after(t, n, joined))
         return out
