@@ -329,6 +329,22 @@ class RendezvousHandler(abc.ABC):
         """
         return None
 
+    def join_interrupts(self) -> bool:
+        """Whether this node's join, now, would make a group that trains stand still.
+
+        Asked by an agent before its first round only, while its own start-up still runs (the warm
+        pool's template importing torch): where the job already trains a group below its maximum
+        size and nobody is forming a round, joining at once would stop every member's workers for as
+        long as this node takes to start its own.  The agent then finishes its start-up first, asking
+        again every few tens of milliseconds, and joins at once when the answer turns False (a round
+        is forming: after a fault it closes as soon as the members are back, with or without this
+        node).  :func:`elastrun.rendezvous.rounds.join_interrupts` is the rule.
+
+        A few reads, never a wait; False for a member, a job's first round, or an ended job.  The
+        default, False, makes the agent join at once, as a backend that keeps no such state must.
+        """
+        return False
+
     @abc.abstractmethod
     def leave(self, reason: str) -> None:
         """Leave the job for good (pre-emption, operator stop) without charging the restart budget."""

@@ -9,6 +9,7 @@ would run them on several hosts, and checks what the agents rely on, through the
 
 - forming: one group, distinct group ranks, contiguous global ranks, one workers' store;
 - joining a running job: the members see the joiner, and the next round admits it;
+- before a first join: whether it would stop a group that trains (never where joining at once is right);
 - loss: a member that leaves is reported to the others, and they form without it, uncharged;
 - a closed round: a joiner beyond ``max_nodes`` waits for a later round, and is not counted as waiting;
 - a token: a node with another job token cannot join;
@@ -239,6 +240,40 @@ def admits_a_node_joining_a_running_job(jobs: Jobs) -> None:
         _close(handlers)
 
 
+def tells_a_joiner_whether_its_join_stops_a_running_group(jobs: Jobs) -> None:
+    """``join_interrupts``: never True where joining at once is right (the first round, a member, a
+    round forming, a full group); True for a newcomer to a group that trains, where the backend
+    answers at all (the default, False, is allowed: the agent then joins at once)."""
+    job = new_job(2, 3)
+    handlers = {n: jobs.handler(job, n) for n in range(3)}
+    answers = type(handlers[2]).join_interrupts is not RendezvousHandler.join_interrupts
+    joins = Joins(jobs, job)
+    try:
+        assert not handlers[2].join_interrupts(), "a job's first round: nothing to interrupt"
+        first = form({n: handlers[n] for n in (0, 1)}, joins)
+        assert not handlers[0].join_interrupts(), "a member asked whether its join interrupts itself"
+        assert handlers[2].join_interrupts() == answers, "a newcomer to a group that trains, below max_nodes"
+        joins.start(handlers[0], 0)  # a member goes round again (its workers failed): a round is forming
+        deadline = time.monotonic() + WAIT
+        while handlers[2].join_interrupts() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not handlers[2].join_interrupts(), "a round is forming: the newcomer must join it at once"
+        joins.start(handlers[2], 2)  # the newcomer first: the round closes once the last member is back
+        poll_until(handlers[1], lambda c: c.nodes_waiting > 0, "the newcomer waiting in the forming round")
+        joins.start(handlers[1], 1)
+        joins.wait([0, 1, 2])
+        assert not joins.errors, joins.errors
+        check_one_group(joins.results, job.nproc)
+        assert {r.round for r in joins.results.values()} == {first[0].round + 1}
+        late = jobs.handler(job, 3)
+        try:
+            assert not late.join_interrupts(), "the group is at max_nodes: a join waits, it stops nobody"
+        finally:
+            late.close()
+    finally:
+        _close(handlers)
+
+
 def reports_a_member_that_leaves_and_forms_without_it(jobs: Jobs) -> None:
     job = new_job(2, 3)
     handlers = {n: jobs.handler(job, n) for n in range(3)}
@@ -362,6 +397,7 @@ def finishes_with_a_barrier_and_tells_a_late_node(jobs: Jobs) -> None:
 CASES: list[Callable[[Jobs], None]] = [
     forms_one_group,
     admits_a_node_joining_a_running_job,
+    tells_a_joiner_whether_its_join_stops_a_running_group,
     reports_a_member_that_leaves_and_forms_without_it,
     keeps_a_late_joiner_out_of_a_full_round,
     refuses_a_node_with_another_token,
@@ -370,7 +406,8 @@ CASES: list[Callable[[Jobs], None]] = [
 ]
 #: The cases that need a node beyond the job's fixed ones (skipped for a backend whose :attr:`Jobs.elastic`
 #: is False: there a third node is a configuration error, and its token is checked end to end).
-ELASTIC_ONLY = {admits_a_node_joining_a_running_job, reports_a_member_that_leaves_and_forms_without_it,
+ELASTIC_ONLY = {admits_a_node_joining_a_running_job, tells_a_joiner_whether_its_join_stops_a_running_group,
+                reports_a_member_that_leaves_and_forms_without_it,
                 keeps_a_late_joiner_out_of_a_full_round, refuses_a_node_with_another_token}
 
 

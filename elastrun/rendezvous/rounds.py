@@ -61,6 +61,24 @@ def close_size(c: CloseInputs) -> int | None:
     return None
 
 
+def join_interrupts(open_round: int, joined: int, running: dict[str, Any] | None, max_nodes: int) -> bool:
+    """Whether a node that joins the open round now makes a training group stand still.
+
+    ``running`` is the result document of the round before the open one (None: absent, or not
+    authentic), ``joined`` how many nodes joined the open round so far.  True only when that round
+    formed a group (not void, not the job's end) below ``max_nodes``, whose members would stop their
+    workers for the joiner, and nobody joined the open round yet.  A round that is forming (after a
+    fault, or for another joiner) closes as soon as the members of the last one are back, so a node
+    that means to be in it joins it at once: False.  A job's first round: False.
+    """
+    if open_round <= 0 or joined > 0 or running is None or is_void(running) or running.get("abort"):
+        return False
+    size = running.get("size")  # a seated round's header; a full document lists its members
+    if size is None:
+        size = len(running.get("members") or [])
+    return 0 < int(size) < max_nodes
+
+
 def assign_ranks(nodes: list[NodeInfo]) -> list[Member]:
     """Give each node a group rank and the global rank of its first worker.
 

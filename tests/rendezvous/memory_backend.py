@@ -28,7 +28,7 @@ from elastrun.rendezvous.api import (
 )
 from elastrun.rendezvous.auth import JobTokenRejected
 from elastrun.rendezvous.outcome import RoundEnd, decide
-from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, member_view
+from elastrun.rendezvous.rounds import CloseInputs, assign_ranks, close_size, join_interrupts, member_view
 
 #: The fake workers' store address every member is given (nothing listens: no worker runs).
 STORE = ("127.0.0.1", 1)
@@ -151,6 +151,15 @@ class MemoryHandler(RendezvousHandler):
             if len(r.members) < job.params.max_nodes:
                 change.nodes_waiting = len([n for n in nxt.joins if n.node_id not in nxt.rejoined])
             return change
+
+    def join_interrupts(self) -> bool:
+        job = self.job
+        with job.cond:
+            if self.result is not None or job.finished or job.abort is not None:
+                return False
+            prev = job.rounds.get(job.open - 1)
+            return join_interrupts(job.open, len(job.rounds[job.open].joins), prev.doc if prev else None,
+                                   job.params.max_nodes)
 
     def report_failure(self, failure: FailureRecord) -> None:
         with self.job.cond:

@@ -15,6 +15,7 @@ from elastrun.rendezvous.rounds import (
     encode_result,
     format_failure,
     is_charged,
+    join_interrupts,
     member_view,
     result_document,
     root_cause,
@@ -210,3 +211,15 @@ def test_ring_watch_gives_a_successor_never_seen_beating_its_first_beat_grace(mo
     assert not watch.observe("1:0.0")  # seen beating: the plain timeout from now on
     now[0] += 2.5
     assert watch.observe("1:0.0")
+
+
+def test_a_join_interrupts_only_a_group_that_trains_below_its_maximum_with_no_round_forming():
+    two = {"members": [{"node_id": "a"}, {"node_id": "b"}], "generation": 0}
+    assert join_interrupts(1, 0, two, max_nodes=3)
+    assert join_interrupts(7, 0, {"size": 2}, max_nodes=3), "a seated round's header gives its size"
+    assert not join_interrupts(0, 0, None, max_nodes=3), "a job's first round"
+    assert not join_interrupts(1, 1, two, max_nodes=3), "a round is forming: join it at once"
+    assert not join_interrupts(1, 0, two, max_nodes=2), "the group is full: the join waits, stops nobody"
+    assert not join_interrupts(1, 0, None, max_nodes=3), "no authentic result: nothing known to run"
+    assert not join_interrupts(1, 0, {"void": "closer went silent", "members": []}, max_nodes=3)
+    assert not join_interrupts(1, 0, {**two, "abort": "budget spent"}, max_nodes=3), "the job ended"

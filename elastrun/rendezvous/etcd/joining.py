@@ -9,6 +9,7 @@ then finds (or, as group rank 0, hosts) the workers' store.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Any
 
@@ -24,7 +25,7 @@ from elastrun.rendezvous.api import (
 from elastrun.rendezvous.endpoint import host_worker_store
 from elastrun.rendezvous.etcd.base import HandlerBase, Reregister, first_kv, one_key_end
 from elastrun.rendezvous.etcd.client import KV, cmp_absent, op_put, op_range, prefix_end
-from elastrun.rendezvous.rounds import decode_result, member_view
+from elastrun.rendezvous.rounds import decode_result, join_interrupts, member_view
 from elastrun.rendezvous.waiting import NAMED, WaitReport, waiting_line
 
 #: A waiting node re-reads the state at least this often even without a watch event (safety net).
@@ -89,6 +90,28 @@ class Joining(HandlerBase):
                 pass
         return result
 
+
+    def join_interrupts(self) -> bool:
+        if self._result is not None:
+            return False
+        try:  # two requests, no retry: where etcd does not answer, the join says so with its own retries
+            (epoch_read, (_, live)) = self._kv.read_many([op_range(self._p + "epoch"), self._agents_op()])
+            epoch = first_kv(epoch_read)
+            if epoch is None or live == 0:
+                return False
+            self._accept(json.loads(epoch.value))  # the incarnation's sealer (registration checks it again)
+            q = f"{self._p}e/{json.loads(epoch.value)['id']}/"
+            abort, finished, current = (first_kv(read) for read in self._kv.read_many(self._job_state_ops(q)))
+            open_round = int(self._open(current) or 0)
+            if self._open(abort) is not None or self._open(finished) is not None or open_round <= 0:
+                return False
+            joins, running = self._kv.read_many([
+                op_range(f"{q}r{open_round}/join/", prefix_end(f"{q}r{open_round}/join/"), count_only=True),
+                op_range(f"{q}r{open_round - 1}/result")])
+            found = self._open(first_kv(running))
+            return join_interrupts(open_round, joins[1], decode_result(found) if found else None, self.max_nodes)
+        except (RendezvousError, ValueError, KeyError):
+            return False
 
     def _reattach(self, node: NodeInfo, round_: int, deadline: float) -> RoundResult | None:
         """Take this node's place in ``round_``, which closed while the node was joining it and its
