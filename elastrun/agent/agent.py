@@ -3,6 +3,7 @@
 One agent runs per node.  Its loop::
 
     while True:
+        (a first join into a job that trains waits for this node's start-up: see join_gate.py)
         result = rendezvous.next_round(node)      # blocks until a worker group is formed
         start nproc workers with the round's ranks
         watch them (pidfds, woken the moment one exits) and the rendezvous (every monitor interval)
@@ -39,6 +40,7 @@ from pathlib import Path
 from elastrun.agent.aftermath import Aftermath, fault_name
 from elastrun.agent.console import Console
 from elastrun.agent.group import GroupEnd, Outcome, WorkerGroup
+from elastrun.agent.join_gate import defer_join
 from elastrun.agent.launches import LaunchBuilder
 from elastrun.agent.reform_session import Phase, ReformSession
 from elastrun.agent.report import AgentReport
@@ -248,6 +250,11 @@ class LocalAgent:
         try:
             if self._pending_signal is not None:
                 raise AgentStopped(self._pending_signal)
+            if self.result is None:  # a first join: into a job that trains, this node's start-up comes first
+                deferral = defer_join(self.handler.join_interrupts, self.starter.ready_fileno(),
+                                      self.report.join_deferred)
+                if deferral is not None:
+                    self.report.join_resumed(deferral.waited, deferral.ended_by)
             result = self.handler.next_round(node)
         finally:
             self._in_rendezvous = False

@@ -77,6 +77,17 @@ class AgentReport:
     def round_start(self, after: RoundResult | None) -> None:
         self.events.emit("round_start", after=after.round if after else None)
 
+    def join_deferred(self) -> None:
+        """A first join waits for this node's start-up: the job trains, and joining stops its group."""
+        self.events.emit("join_deferred")
+        self.console.info("the job is training: this node joins once its workers can start (its imports are "
+                          "still running), so that the running workers do not stand still meanwhile")
+
+    def join_resumed(self, waited: float, ended_by: str) -> None:
+        """The deferred join goes ahead (``ended_by``: ready, round forming, limit, rendezvous error)."""
+        self.events.emit("join_resumed", waited=round(waited, 4), ended_by=ended_by)
+        self.console.debug(f"joining after {waited:.2f} s of start-up ({ended_by})")
+
     def round_closed(self, result: RoundResult) -> None:
         """The round formed: its event, a scale change and lost nodes if any, and its console line."""
         nproc = self.config.nproc_per_node

@@ -26,6 +26,8 @@ Listener = Callable[[dict[str, Any]], None]
 EVENT_KINDS: dict[str, str] = {
     "agent_start": "run_id, backend, min_nodes, max_nodes, nproc, pid, hostname",
     "round_start": "after (the last round this node was in, or null)",
+    "join_deferred": "(none: a first join into a job that trains waits for this node's start-up)",
+    "join_resumed": "waited (s), ended_by (ready, round forming, limit or rendezvous error)",
     "round_closed": (
         "round, generation, group_rank, group_world_size, world_size, members, duration, restarts_used, "
         "max_restarts"

@@ -140,7 +140,7 @@ def _slot_spans(node: Node, slot: int, logs: dict[tuple[str, Any], ProcessLog], 
             out.append(Span(node.node, slot, a, b, cause, fault.index if fault else None, detail, min(inner, b - a)))
 
     first_rdzv = node.groups[0].rdzv_start if node.groups else (node.open_rdzv or node.end)
-    add(node.start, first_rdzv, "startup", detail="agent set-up")
+    add(node.start, first_rdzv, "startup", detail="agent set-up (and its imports, where a join waited for them)")
     prev_end: float | None = None
     prev: Group | None = None
     for g in node.groups:

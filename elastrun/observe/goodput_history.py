@@ -108,6 +108,8 @@ def _groups(node: Node) -> None:
             if group is not None and group.end is None:
                 group.end, group.how = ts, "fault"
             rdzv = ts
+        elif kind == "join_resumed":  # a deferred first join: the wait was this node's own start-up
+            rdzv = ts
         elif kind == "round_closed":
             group = Group(int(e.get("round", 0)), rdzv if rdzv is not None else ts, ts)
             node.groups.append(group)

@@ -1,11 +1,12 @@
 """Nodes lost and nodes joining: several agents on loopback with the c10d backend."""
 
+import os
 import signal
 import time
 
 import pytest
 
-from tests.agent.jobs import start_pair, steps_env
+from tests.agent.jobs import events, start_pair, steps_env
 from tests.harness import alive, base_env, free_port, listening, read_steps, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -53,10 +54,15 @@ def test_three_nodes_lose_one_and_continue(agents, tmp_path):
 def test_lone_node_starts_a_second_joins_then_is_lost(agents, tmp_path):
     """A 1:2 job's lone node starts after the short last call; a second node joins (world 2, the host
     keeps group rank 0); the joiner is SIGKILLed and the host steps on alone.  (Once two tests, four
-    agents: the lone start with the join, and two nodes losing the second.)"""
+    agents: the lone start with the join, and two nodes losing the second.)
+
+    The joiner's template imports a ``--preload`` module that takes 3 s: the joiner defers its join
+    until its template is ready (elastrun/agent/join_gate.py), and the lone node trains meanwhile."""
     steps_dir = tmp_path / "steps"
     steps_dir.mkdir()
+    (tmp_path / "slow_preload.py").write_text("import time\n\ntime.sleep(3)\n")
     env = base_env(STEPS_LOG=str(steps_dir), STEPS="100000", STEP_SECONDS="0.05")
+    env["PYTHONPATH"] += os.pathsep + str(tmp_path)
     flags = _flags(free_port(), "1:2", "lone-join-lose")
     (a0,) = _start_host_first(agents, flags, env, 1)
     # A lone node of a 1:2 job starts after the short last call, not torchrun's 30 s.
@@ -65,7 +71,8 @@ def test_lone_node_starts_a_second_joins_then_is_lost(agents, tmp_path):
     formed = float(a0.output().split("round 0 formed in ")[1].split(" s")[0])
     assert formed < 10, a0.output()
     joined_at = time.time()
-    a1 = agents.start(flags, env=env, name="agent1")
+    joiner_logs = tmp_path / "logs1"
+    a1 = agents.start([*flags, "--preload=slow_preload", f"--log-dir={joiner_logs}"], env=env, name="agent1")
 
     def ranks_at_two() -> set[int]:
         return {s.rank for s in read_steps(steps_dir) if s.world == 2 and s.t > joined_at}
@@ -73,6 +80,11 @@ def test_lone_node_starts_a_second_joins_then_is_lost(agents, tmp_path):
     # Each rank logs its own steps: wait for both (rank 0's first step can come before rank 1's is logged).
     wait_until(lambda: ranks_at_two() == {0, 1}, 60, what="steps of ranks 0 and 1 at world 2 after the join")
     assert "waiting to join" in a0.output()
+    # The joiner waited for its template before it joined, and the lone node stepped all that while.
+    (deferred,), (resumed,) = events(joiner_logs, "join_deferred"), events(joiner_logs, "join_resumed")
+    assert resumed["ended_by"] == "ready", resumed
+    meanwhile = [s for s in read_steps(steps_dir) if s.world == 1 and deferred["ts"] + 1 < s.t < resumed["ts"]]
+    assert meanwhile, f"the lone node did not step while the joiner started up ({resumed})\n{agents.outputs()}"
     # The host keeps group rank 0 across the resize; the newcomer gets rank 1.
     assert "this node is group rank 0" in a0.output().split("round 1")[-1]
     assert a1.proc.poll() is None, agents.outputs()

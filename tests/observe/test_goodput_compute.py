@@ -338,6 +338,32 @@ def test_a_worker_killed_by_a_joins_restart_does_not_make_the_join_a_crash() -> 
     assert [(f.kind, f.label, f.detected) for f in gp.faults] == [("join", "1 node(s) joined", T + 5.0)]
 
 
+def test_a_join_that_waited_for_its_nodes_imports_counts_the_wait_as_start_up_not_idle() -> None:
+    """Node c starts at 2.9 and defers its join (3.0 to 4.6) while its template imports; the running
+    group notices it at 5.0.  Its slot: start-up until it joined, idle only until it was noticed."""
+    events = [*two_nodes(),
+              on("host-c", 2.9, "agent_start", run_id="job", nproc=1, pid=3, hostname="host-c"),
+              on("host-c", 3.0, "round_start"), on("host-c", 3.0, "join_deferred"),
+              on("host-c", 4.6, "join_resumed", waited=1.6, ended_by="ready"),
+              on("host-a", 5.0, "nodes_waiting", round=0, count=1),
+              on("host-a", 5.0, "restart", round=0, reason="1 node(s) waiting to join"),
+              on("host-b", 5.0, "restart", round=0, reason="1 node(s) waiting to join"),
+              on("host-b", 5.04, "round_start", after=0), on("host-a", 5.05, "round_start", after=0)]
+    for rank, node in enumerate(("host-a", "host-b", "host-c")):
+        events += [on(node, 5.3, "round_closed", round=1, generation=1, world_size=3,
+                      members=["host-a", "host-b", "host-c"]),
+                   on(node, 5.3, "worker_start", round=1, generation=1, rank=rank, local_rank=0, pid=300 + rank,
+                      start_method="fork"),
+                   on(node, 6.0, "worker_exit", pid=300 + rank, local_rank=0, exitcode=0, signal=None),
+                   on(node, 6.0, "agent_exit", exitcode=0)]
+    gp = compute(events, {})
+    mine: dict[str, float] = {}
+    for span in gp.spans:
+        if span.node == "host-c" and span.end <= T + 5.3:
+            mine[span.cause] = mine.get(span.cause, 0.0) + span.end - span.start
+    assert mine == {"startup": pytest.approx(1.7), "idle": pytest.approx(0.4), "rendezvous": pytest.approx(0.3)}
+
+
 def test_the_snapshot_spacing_chosen_on_a_gpu_is_in_the_breakdown_and_changes_nothing_else(tmp_path) -> None:
     """A worker whose snapshots were spaced by their cost (``SPACING`` records, written by the real
     writer) gets a line in the breakdown; the records count for no time and split no span."""

@@ -125,7 +125,6 @@ class PoolStarter(WorkerStarter):
         self._broken: str | None = None
         self._noticed: set[str] = set()
         self._was_subreaper: bool | None = None
-        #: Seconds from ``prepare`` until the template reported its imports done (for benchmarks).
 
     # ------------------------------------------------------------------ life cycle
     def prepare(self) -> None:
@@ -195,6 +194,12 @@ class PoolStarter(WorkerStarter):
             except OSError:
                 pass
             self._was_subreaper = None
+
+    def ready_fileno(self) -> int | None:
+        """The template's socket while its first message (ready, or the end of file of its death) is due."""
+        if self._ready or self._broken is not None or self._sock is None:
+            return None
+        return self._sock.fileno()
 
     @property
     def template_pid(self) -> int | None:

@@ -195,6 +195,12 @@ class WorkerStarter(abc.ABC):
     def prepare(self) -> None:
         """Optional warm-up before the first start (e.g. begin importing torch in a template)."""
 
+    def ready_fileno(self) -> int | None:
+        """A descriptor that turns readable once :meth:`start` no longer waits for :meth:`prepare`'s
+        warm-up (the template's imports done, or failed); None when nothing is pending.  Reading it
+        is the starter's business: a caller only waits on it."""
+        return None
+
     def close(self) -> None:
         """Stop helper processes; called once when the agent exits."""
 
