@@ -28,8 +28,10 @@ the new group's steady step (the median of the next ``STEADY_STEPS``).
 
 ``--agents n`` (loss and join only): node loss n → n-1 (the last agent killed) and join n-1 → n.
 
+``--pin``: agent i and its workers run on CPU i only (``taskset``), as each on a node of its own.
+
 Usage: ``python bench/bench_reform.py [--repeat 1] [--only crash,loss,join,hang,steady] [--size 100] [--fsdp]
-[--agents 2]``.
+[--agents 2] [--pin]``.
 Prints a table.
 """
 
@@ -56,9 +58,13 @@ CAP = 60.0
 
 def argv(way: str, flags: list[str], logs: Path | None) -> list[str]:
     if way == "torchrun":
-        return [PYTHON, "-m", "torch.distributed.run", *flags, WORKLOAD]
-    extra = ["--preload=torch,elastrun.train"] + ([f"--log-dir={logs}"] if logs is not None else [])
-    return [PYTHON, "-m", "elastrun", *flags, *extra, WORKLOAD]
+        cmd = [PYTHON, "-m", "torch.distributed.run", *flags, WORKLOAD]
+    else:
+        extra = ["--preload=torch,elastrun.train"] + ([f"--log-dir={logs}"] if logs is not None else [])
+        cmd = [PYTHON, "-m", "elastrun", *flags, *extra, WORKLOAD]
+    if PIN and logs is not None:  # agent i (logs<i>) and its workers on CPU i: one node per CPU
+        cmd = ["taskset", "-c", str(int(logs.name.removeprefix("logs")) % (os.cpu_count() or 1)), *cmd]
+    return cmd
 
 
 SIZE_M = "100"
@@ -74,6 +80,9 @@ class RunTrial(Trial):
 
 
 FSDP = False
+#: ``--pin``: each agent with its workers on a CPU of its own, as on nodes of their own (two agents on
+#: one machine otherwise share every core: a joiner's imports then slow the running group, and back).
+PIN = False
 #: Agents (1 worker each) of the loss and join figures: n → n-1 and n-1 → n.
 AGENTS = 2
 #: Steps at the new size after its first, whose median interval is the steady step.
@@ -308,11 +317,12 @@ def main() -> None:
     ap.add_argument("--size", default="100", help="model size in millions of parameters")
     ap.add_argument("--fsdp", action="store_true", help="the FSDP2 model (issue 24) instead of DDP")
     ap.add_argument("--agents", type=int, default=2, help="loss n → n-1 and join n-1 → n (n ≥ 2)")
+    ap.add_argument("--pin", action="store_true", help="agent i and its workers on CPU i (taskset)")
     a = ap.parse_args()
     if a.agents < 2:
         ap.error("--agents must be at least 2")
-    global SIZE_M, FSDP, AGENTS
-    SIZE_M, FSDP, AGENTS = a.size, a.fsdp, a.agents
+    global SIZE_M, FSDP, AGENTS, PIN
+    SIZE_M, FSDP, AGENTS, PIN = a.size, a.fsdp, a.agents, a.pin
     only = set(a.only.split(","))
     ways = a.ways.split(",")
     results: dict[str, dict[str, list[dict]]] = {}
