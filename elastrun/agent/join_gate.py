@@ -20,8 +20,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from elastrun.rendezvous.api import RendezvousError
-
 #: Seconds between two questions to the rendezvous while a join is deferred (a few reads each).
 POLL = 0.05
 #: The longest a join is deferred, in seconds.
@@ -62,15 +60,18 @@ def defer_join(
         try:
             if not interrupts():
                 return Deferral(time.monotonic() - started, "round forming")
-        except RendezvousError:
+        except Exception:  # noqa: BLE001 - see _asks
             return Deferral(time.monotonic() - started, "rendezvous error")
 
 
 def _asks(interrupts: Callable[[], bool]) -> bool:
+    """The rendezvous' answer; False when it gives none.  The wait only saves the members time, so any
+    error (a backend's own, not only a :class:`RendezvousError`) means joining at once: the join that
+    follows reports what is wrong."""
     try:
         return interrupts()
-    except RendezvousError:
-        return False  # the join that follows reports what is wrong
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _readable(fd: int, timeout: float) -> bool:

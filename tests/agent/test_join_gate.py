@@ -54,6 +54,8 @@ def test_nothing_to_wait_for_or_nothing_to_interrupt_joins_at_once(pipe):
     assert len(asked) == 1
     failing, _ = _answers(RendezvousConnectionError("store gone"))
     assert defer_join(failing, r) is None, "a rendezvous that does not answer: the join reports it"
+    garbled, _ = _answers(ValueError("invalid literal for int()"))
+    assert defer_join(garbled, r) is None, "a backend's own error: the gate only saves time, it joins"
 
 
 def test_a_join_that_would_interrupt_waits_for_the_starter_and_says_so_once(pipe):
