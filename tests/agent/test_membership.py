@@ -131,3 +131,44 @@ def test_peer_failing_from_a_stop_for_a_joiner_is_not_charged(agents, job, tmp_p
     # joiner before the worker's exit reaches it: then it stops for the joiner and reports nothing.
     assert "Traceback" in a1.output() or "failed (exit code 1)" in a1.output(), agents.outputs()
     assert "restarts used 0/0" in a0.output().split("round 2")[-1], agents.outputs()
+
+
+def test_a_joiner_waiting_for_its_imports_joins_the_round_a_fault_starts(agents, job, tmp_path):
+    """Nodes 0 and 1 train; node 2 starts with a 10 s ``--preload`` and defers its join.  Meanwhile
+    node 1's agent is stopped (SIGSTOP: the round after a fault cannot close without it) and rank 0
+    fails: node 0 goes round again, and the waiting joiner must join that forming round at once,
+    not wait for its imports and stop the new group a second time.  Node 1 resumed, the round
+    closes with all three nodes (one restart charged), and they train together."""
+    job.nnodes, job.run_id = "2:3", "gate-fault"
+    env = steps_env(tmp_path)
+    steps_dir = tmp_path / "steps"
+    crash = tmp_path / "crash"
+    env.update(CRASH_FILE=str(crash), CRASH_RANK="0", CRASH_ONCE_FILE=str(tmp_path / "crashed"))
+    (tmp_path / "slow_preload.py").write_text("import time\n\ntime.sleep(10)\n")
+    env["PYTHONPATH"] += os.pathsep + str(tmp_path)
+    patient = ("--rdzv-conf=heartbeat_timeout=30", "--max-restarts=1")  # node 1 is stopped, not lost
+    a0, a1, logs = start_pair(agents, job, tmp_path, env, both=patient)
+    joiner_logs = tmp_path / "logs2"
+    try:
+        wait_until(lambda: {s.rank for s in read_steps(steps_dir) if s.world == 2} == {0, 1}, 90,
+                   what="both nodes stepping in one group")
+        a2 = agents.start(job.flags(joiner_logs, *patient, "--preload=slow_preload"), env=env, name="agent2")
+        wait_until(lambda: events(joiner_logs, "join_deferred") or a2.proc.poll() is not None, 60,
+                   what="the joiner deferring its join")
+        a1.kill(signal.SIGSTOP)
+        crash.touch()
+        wait_until(lambda: events(joiner_logs, "join_resumed"), 30, what="the joiner to join")
+        (resumed,) = events(joiner_logs, "join_resumed")
+        assert resumed["ended_by"] == "round forming", resumed
+        a1.kill(signal.SIGCONT)
+        wait_until(lambda: {s.rank for s in read_steps(steps_dir) if s.world == 3} == {0, 1, 2}
+                   or any(a.proc.poll() is not None for a in (a0, a1, a2)), 90, what="three nodes stepping")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{agents.outputs()}") from None
+    finally:
+        a1.kill(signal.SIGCONT)
+    assert all(a.proc.poll() is None for a in (a0, a1, a2)), agents.outputs()
+    # The round that followed the fault admitted the joiner: no second round for it.
+    (second,) = [e for e in events(logs[0], "round_closed") if e["round"] == 1]
+    assert second["group_world_size"] == 3, second
+    assert second["restarts_used"] == 1, second
