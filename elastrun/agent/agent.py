@@ -39,7 +39,8 @@ from pathlib import Path
 
 from elastrun.agent.aftermath import Aftermath, fault_name
 from elastrun.agent.console import Console
-from elastrun.agent.group import GroupEnd, Outcome, WorkerGroup
+from elastrun.agent.group import WorkerGroup
+from elastrun.agent.group_end import GroupEnd, Outcome
 from elastrun.agent.join_gate import defer_join
 from elastrun.agent.launches import LaunchBuilder
 from elastrun.agent.reform_session import Phase, ReformSession

@@ -16,7 +16,9 @@ import time
 import pytest
 
 from elastrun.agent import group as group_module
-from elastrun.agent.group import Outcome, WorkerGroup
+from elastrun.agent import silence as silence_module
+from elastrun.agent.group import WorkerGroup
+from elastrun.agent.group_end import Outcome
 from elastrun.agent.reform_session import Phase, ReformSession
 from elastrun.agent.report import AgentReport
 from elastrun.agent.workers.starter import WorkerLaunch
@@ -266,7 +268,7 @@ def test_a_peer_silent_first_is_not_blamed_while_the_frozen_worker_it_waits_on_i
     blocked on it, passes its hang timeout first.  A check in between waits (the frozen rank 1 is not
     silent long enough yet) instead of blaming rank 0, however long (no grace bounds it: a frozen rank's
     beats cannot advance); once rank 1 is silent too it is the hang, and rank 0 keeps its process."""
-    monkeypatch.setattr(group_module, "HANG_GRACE", 0.0)
+    monkeypatch.setattr(silence_module, "HANG_GRACE", 0.0)
     channel = StandInChannel()
     s = setup(channel, hang_timeout=0.5)
     result = round_result()
@@ -345,7 +347,7 @@ def test_a_running_silent_worker_of_a_larger_round_waits_on_the_fault_claimed_fi
     """Its node waits out the grace (a frozen worker's node claims first), then finds another node's
     hang claimed: nobody here is blamed, the group ends as for a change elsewhere, the worker is paused."""
     grace = 0.2
-    monkeypatch.setattr(group_module, "HANG_GRACE", grace)
+    monkeypatch.setattr(silence_module, "HANG_GRACE", grace)
     channel = StandInChannel()
     s = setup(channel, hang_timeout=0.5, nproc_per_node=1)
     result = dataclasses.replace(round_result(nproc=1, world=2), group_world_size=2)

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from elastrun.agent import hang, stall
-from elastrun.agent.group import Outcome
+from elastrun.agent.group_end import Outcome
 from elastrun.agent.hang import HangTracker, StartupHistory, startup_bound
 from elastrun.shared import steplog
 from elastrun.shared.protocol import HEARTBEAT_ENV, Paused, Reformed
