@@ -27,6 +27,12 @@ def _start_host_first(agents, flags, env, count):
     return started
 
 
+def _three_stepping(steps_dir, three) -> None:
+    """Until ranks 0, 1 and 2 step in one group of three, or one of the ``three`` agents exits."""
+    wait_until(lambda: {s.rank for s in read_steps(steps_dir) if s.world == 3} == {0, 1, 2}
+               or any(a.proc.poll() is not None for a in three), 90, what="three nodes stepping")
+
+
 def test_three_nodes_lose_one_and_continue(agents, tmp_path):
     steps_dir = tmp_path / "steps"
     steps_dir.mkdir()
@@ -119,8 +125,7 @@ def test_peer_failing_from_a_stop_for_a_joiner_is_not_charged(agents, job, tmp_p
 
         wait_until(rank1_stopped, 30, what="node 1's worker to stop stepping")
         a1.kill(signal.SIGCONT)
-        wait_until(lambda: {s.rank for s in read_steps(steps_dir) if s.world == 3} == {0, 1, 2}
-                   or any(a.proc.poll() is not None for a in (a0, a1, a2)), 90, what="three nodes stepping")
+        _three_stepping(steps_dir, (a0, a1, a2))
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{agents.outputs()}") from None
     finally:
@@ -161,8 +166,7 @@ def test_a_joiner_waiting_for_its_imports_joins_the_round_a_fault_starts(agents,
         (resumed,) = events(joiner_logs, "join_resumed")
         assert resumed["ended_by"] == "round forming", resumed
         a1.kill(signal.SIGCONT)
-        wait_until(lambda: {s.rank for s in read_steps(steps_dir) if s.world == 3} == {0, 1, 2}
-                   or any(a.proc.poll() is not None for a in (a0, a1, a2)), 90, what="three nodes stepping")
+        _three_stepping(steps_dir, (a0, a1, a2))
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{agents.outputs()}") from None
     finally:

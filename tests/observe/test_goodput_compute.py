@@ -316,6 +316,19 @@ def test_a_commit_that_a_hung_peer_held_up_is_the_hangs_time_not_commit() -> Non
     assert gp.wall_good + sum(gp.wall_badput.values()) == pytest.approx(gp.wall)
 
 
+def three_in_round_one() -> list[dict]:
+    """Nodes a, b and c in round 1 from 5.3, their workers done at 6.0 (after c joined)."""
+    events = []
+    for rank, node in enumerate(("host-a", "host-b", "host-c")):
+        events += [on(node, 5.3, "round_closed", round=1, generation=1, world_size=3,
+                      members=["host-a", "host-b", "host-c"]),
+                   on(node, 5.3, "worker_start", round=1, generation=1, rank=rank, local_rank=0, pid=300 + rank,
+                      start_method="fork"),
+                   on(node, 6.0, "worker_exit", pid=300 + rank, local_rank=0, exitcode=0, signal=None),
+                   on(node, 6.0, "agent_exit", exitcode=0)]
+    return events
+
+
 def test_a_worker_killed_by_a_joins_restart_does_not_make_the_join_a_crash() -> None:
     """Node a reads that node c waits to join and stops its worker (5.0); node b's worker dies of the
     broken collective (5.03) before b's agent reads the news itself.  One fault: the join."""
@@ -327,13 +340,7 @@ def test_a_worker_killed_by_a_joins_restart_does_not_make_the_join_a_crash() -> 
               on("host-b", 5.03, "worker_exit", pid=200, local_rank=0, exitcode=1, signal=None),
               on("host-b", 5.03, "worker_failure", round=0, rank=1, local_rank=0, exitcode=1, signal=None),
               on("host-b", 5.04, "round_start", after=0), on("host-a", 5.05, "round_start", after=0)]
-    for rank, node in enumerate(("host-a", "host-b", "host-c")):
-        events += [on(node, 5.3, "round_closed", round=1, generation=1, world_size=3,
-                      members=["host-a", "host-b", "host-c"]),
-                   on(node, 5.3, "worker_start", round=1, generation=1, rank=rank, local_rank=0, pid=300 + rank,
-                      start_method="fork"),
-                   on(node, 6.0, "worker_exit", pid=300 + rank, local_rank=0, exitcode=0, signal=None),
-                   on(node, 6.0, "agent_exit", exitcode=0)]
+    events += three_in_round_one()
     gp = compute(events, {})
     assert [(f.kind, f.label, f.detected) for f in gp.faults] == [("join", "1 node(s) joined", T + 5.0)]
 
@@ -349,13 +356,7 @@ def test_a_join_that_waited_for_its_nodes_imports_counts_the_wait_as_start_up_no
               on("host-a", 5.0, "restart", round=0, reason="1 node(s) waiting to join"),
               on("host-b", 5.0, "restart", round=0, reason="1 node(s) waiting to join"),
               on("host-b", 5.04, "round_start", after=0), on("host-a", 5.05, "round_start", after=0)]
-    for rank, node in enumerate(("host-a", "host-b", "host-c")):
-        events += [on(node, 5.3, "round_closed", round=1, generation=1, world_size=3,
-                      members=["host-a", "host-b", "host-c"]),
-                   on(node, 5.3, "worker_start", round=1, generation=1, rank=rank, local_rank=0, pid=300 + rank,
-                      start_method="fork"),
-                   on(node, 6.0, "worker_exit", pid=300 + rank, local_rank=0, exitcode=0, signal=None),
-                   on(node, 6.0, "agent_exit", exitcode=0)]
+    events += three_in_round_one()
     gp = compute(events, {})
     mine: dict[str, float] = {}
     for span in gp.spans:
