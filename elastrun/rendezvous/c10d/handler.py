@@ -372,9 +372,9 @@ class StoreRendezvousHandler(Closing, Liveness, Ending):
                 or self._read(self._k("finished")) is not None:
             return False
         current = self._read(self._k("current"))
-        if current is None or int(current) <= 0:
+        open_round = int(current) if current is not None else 0
+        if open_round <= 0:
             return False
-        open_round = int(current)
         joined = self._count(self._r(open_round, "joined"))
         running = self._read(self._r(open_round - 1, "result")) if joined == 0 else None
         try:

@@ -99,8 +99,9 @@ class Joining(HandlerBase):
             epoch = first_kv(epoch_read)
             if epoch is None or live == 0:
                 return False
-            self._accept(json.loads(epoch.value))  # the incarnation's sealer (registration checks it again)
-            q = f"{self._p}e/{json.loads(epoch.value)['id']}/"
+            doc = json.loads(epoch.value)
+            self._accept(doc)  # the incarnation's sealer (registration checks it again)
+            q = f"{self._p}e/{doc['id']}/"
             abort, finished, current = (first_kv(read) for read in self._kv.read_many(self._job_state_ops(q)))
             open_round = int(self._open(current) or 0)
             if self._open(abort) is not None or self._open(finished) is not None or open_round <= 0:
