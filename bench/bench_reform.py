@@ -184,20 +184,47 @@ def start_agents(t: Trial, way: str, port: int, nnodes: str, count: int, first: 
     return procs
 
 
+def kept_until(t: Trial, world: int, after: float) -> dict[int, float]:
+    """For each rank training at ``world - 1``, when its last work that the join kept ended: its last
+    ``step`` line, or the call of the commit the new group restored (a join's pause ends the training
+    function at the end of that commit, before its ``step`` line)."""
+    events = t.events()
+    agreed = min((e["step"] for e in events if e["ev"] == "restored" and e["world"] == world and e["t"] > after),
+                 default=None)
+    ends: dict[int, float] = {}
+    for e in events:
+        if e.get("world") != world - 1 or e["rank"] >= world - 1:
+            continue
+        if e["ev"] == "step" or (e["ev"] == "commit" and agreed is not None and e["n"] <= agreed):
+            ends[e["rank"]] = max(ends.get(e["rank"], 0.0), e["t"])
+    return ends
+
+
 def survivors_idle(t: Trial, world: int, after: float) -> dict:
     """How long the ranks already training stood still for a join to ``world``: from the end of their
-    last step at ``world - 1`` to the start of their first step at ``world`` (the longest of them)."""
-    last: dict[int, float] = {}
+    last kept work at ``world - 1`` to the start of their first step at ``world`` (the longest of them)."""
+    last = kept_until(t, world, after)
     first: dict[int, float] = {}
     for e in t.events():
-        if e["ev"] != "step" or e["rank"] >= world - 1:
-            continue
-        if e["world"] == world - 1:
-            last[e["rank"]] = max(last.get(e["rank"], 0.0), e["t"])
-        elif e["world"] == world and e["t"] > after:
+        if e["ev"] == "step" and e["rank"] < world - 1 and e["world"] == world and e["t"] > after:
             first[e["rank"]] = min(first.get(e["rank"], float("inf")), e["t0"])
     gaps = [first[r] - last[r] for r in first if r in last]
     return {"survivors idle": max(gaps)} if len(gaps) == world - 1 else {}
+
+
+def thrown_away(t: Trial, world: int, after: float, logs: Path) -> dict:
+    """What of its step the host's rank 0 (a survivor) threw away at a join: from the end of its last
+    kept work at ``world - 1`` (:func:`kept_until`) to the moment it left its group (its agent's
+    ``restart`` event plus the ``reform`` event's ``paused_in``; for restarted workers, the ``restart``
+    event: they are killed).  A pause at the end of a commit throws away nothing but that commit's
+    own time and the leave."""
+    end = kept_until(t, world, after).get(0)
+    seen = first_event(logs, "restart", after)
+    if end is None or seen is None:
+        return {}
+    reform = first_event(logs, "reform", seen["ts"])
+    left = seen["ts"] + (reform["paused_in"] if reform is not None else 0.0)
+    return {"survivor's step thrown away": max(0.0, left - end)}
 
 
 def steady_after(t: Trial, world: int, after: float, steps: int = STEADY_STEPS) -> dict:
@@ -260,6 +287,8 @@ def join(way: str) -> dict:
         out.update(split_first_step(t, n, joined, back))
         if back is not None:
             out.update(survivors_idle(t, n, joined))
+            if way != "torchrun":
+                out.update(thrown_away(t, n, joined, t.dir / "logs0"))
         if back is not None and FSDP:
             out.update(steady_after(t, n, joined))
         return out

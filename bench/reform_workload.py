@@ -3,8 +3,10 @@
 ``MODE=reform`` runs the training body through ``et.run`` (in-process re-forms); ``MODE=restart``
 is the same script written the usual way (``init_distributed``, ``restore``, loop), which every
 launcher restarts.  One JSON line per event in ``$BENCH_LOG/<pid>.jsonl``, as ``workload.py``:
-``restored`` (rank, world, source) each time the state is restored and one ``step`` line per
-committed step (``t0`` its start, ``tc`` the commit's call, ``t`` its return).  Environment: SIZE_M (model size
+``restored`` (rank, world, source) each time the state is restored, one ``commit`` line as each
+``commit()`` is called (a pause for a join ends the worker's fn at that commit's end, so its ``step``
+line never comes) and one ``step`` line per committed step (``t0`` its start, ``tc`` the commit's call,
+``t`` its return).  Environment: SIZE_M (model size
 in millions, 100), BATCH (8), STEPS (100000), CRASH_AT_STEP/CRASH_RANK/CRASH_ONCE_FILE (exit 1
 there, once: the file's mtime is the crash).
 
@@ -65,6 +67,7 @@ def main() -> None:
             loss.backward()
             opt.step()
             committing = time.time()
+            emit("commit", n=state.step + 1, rank=rank, world=world)  # a join's pause may end the fn there
             state.commit()
             emit("step", n=state.step, rank=rank, world=world, gen=int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
                  t0=began, tc=committing)
@@ -109,6 +112,7 @@ def sharded(size: int, emit) -> None:
             state._optimizer.step()
             state._optimizer.zero_grad()
             committing = time.time()
+            emit("commit", n=state.step + 1, rank=rank, world=world, t=committing)
             state.commit()
             emit("step", n=state.step, rank=rank, world=world, gen=int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
                  t0=began, tb=backward, tc=committing)

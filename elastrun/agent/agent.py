@@ -43,7 +43,7 @@ from elastrun.agent.group import WorkerGroup
 from elastrun.agent.group_end import GroupEnd, Outcome
 from elastrun.agent.join_gate import defer_join
 from elastrun.agent.launches import LaunchBuilder
-from elastrun.agent.reform_session import Phase, ReformSession
+from elastrun.agent.reform_session import COMMIT_WAIT, Phase, ReformSession
 from elastrun.agent.report import AgentReport
 from elastrun.agent.runtime import NodeRuntime
 from elastrun.agent.snapserver import SnapshotService
@@ -318,8 +318,10 @@ class LocalAgent:
         detected = time.monotonic()
         reason = describe_change(change)
         self.report.restart(result, reason, change.nodes_waiting)
-        # dump=True: a worker that does not answer the pause leaves its stacks in its log before it is killed
-        self.group.end(set(), detected, dump=True)
+        # dump=True: a worker that does not answer the pause leaves its stacks in its log before it is killed.
+        # A join alone leaves the group whole: its workers may finish their step and leave at its commit.
+        within = COMMIT_WAIT if change.nodes_waiting and not change.lost_nodes else 0.0
+        self.group.end(set(), detected, dump=True, within=within)
         return GroupEnd(Outcome.MEMBERSHIP, reason=reason, detected_at=detected)
 
     def _report_failure(self, failure: FailureRecord) -> None:

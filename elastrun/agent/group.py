@@ -160,7 +160,7 @@ class WorkerGroup(SilenceHandling):
             done = news.done
             self._reformed.update({lr: (r.source, r.step) for lr, r in done.reformed.items()})
             self.report.reform(result.round, time.monotonic() - done.detected_at, done.paused_in, sorted(done.kept),
-                               sorted(done.restarted), done.sources, done.step)
+                               sorted(done.restarted), done.sources, done.step, done.at_commit)
         self.late.reap()
         for handle in [h for h in self.workers if h.launch.local_rank not in self.statuses]:
             polled = time.time()
@@ -258,7 +258,7 @@ class WorkerGroup(SilenceHandling):
 
     # ------------------------------------------------------------------ end
     def end(self, doomed: set[int], detected_at: float, dump: bool = False,
-            dumping: WorkerHandle | None = None, quiet: bool = False) -> list[WorkerHandle]:
+            dumping: WorkerHandle | None = None, quiet: bool = False, within: float = 0.0) -> list[WorkerHandle]:
         """End the group: kill the workers of ``doomed`` local ranks and every worker that cannot
         re-form in process; pause the others (kept for the next round, returned).
 
@@ -267,7 +267,8 @@ class WorkerGroup(SilenceHandling):
         sent SIGABRT instead of SIGKILL, with :data:`DUMP_WAIT` s to write its stacks: at once if it
         runs; if it is frozen, cut off its peers first (:mod:`~elastrun.agent.workers.cutoff`) and let
         run (SIGCONT) only once the others here have left their group.  ``quiet``: the caller says
-        who was kept.
+        who was kept.  ``within``: the workers may first reach the end of their next ``commit()``, if
+        it comes within that many seconds (a join: the group is whole; see ``ReformSession.pause``).
         """
         self._note_deaths()
         live = dumping if dumping is not None and dumping.poll() is None else None
@@ -281,7 +282,7 @@ class WorkerGroup(SilenceHandling):
             if handle.launch.local_rank in doomed and handle is not dumping and handle.poll() is None:
                 handle.send_signal(signal.SIGKILL)
         candidates = [h for h in self.workers if h.launch.local_rank not in doomed]
-        kept, asked = self.session.pause(candidates, detected_at)
+        kept, asked = self.session.pause(candidates, detected_at, within)
         if live is not None and frozen and live.poll() is None:
             _abort_for_stacks(live)
             dump_deadline = time.monotonic() + DUMP_WAIT
@@ -325,7 +326,8 @@ class WorkerGroup(SilenceHandling):
 
     def _say_paused(self, kept: list[WorkerHandle]) -> None:
         if kept and self.session.pending is not None:
-            self.report.workers_paused([(h.launch.rank, h.pid) for h in kept], self.session.pending.paused_in)
+            pending = self.session.pending
+            self.report.workers_paused([(h.launch.rank, h.pid) for h in kept], pending.paused_in, pending.at_commit)
 
     def forward_signal(self, signum: int, grace: float) -> None:
         """Send ``signum`` to every worker, wait up to ``grace`` seconds for them, then kill the rest."""

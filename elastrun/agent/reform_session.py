@@ -35,6 +35,9 @@ from elastrun.shared.protocol import SOCKET_ENV, WAIT_ENV, Assign, Failed, Pause
 #: How long a worker whose group broke on its own (a peer died) waits for its agent's pause: the
 #: agent hears of a dead peer through the rendezvous (a reported failure, a missed heartbeat).
 WORKER_WAIT = 30.0
+#: How long workers asked to pause for a join may go on to the end of their next ``commit()``
+#: (:mod:`elastrun.train.commit_pause`): the joiner's round waits that much at most for them.
+COMMIT_WAIT = 5.0
 
 
 class Phase(enum.Enum):
@@ -49,6 +52,8 @@ class PendingReform:
 
     detected_at: float
     paused_in: float
+    #: Every kept worker left at the end of a commit (nothing of a step was thrown away).
+    at_commit: bool = False
     kept: dict[int, int] = field(default_factory=dict)  # local rank -> pid, once assigned
     restarted: list[int] = field(default_factory=list)  # local ranks started anew
     reformed: dict[int, Reformed] = field(default_factory=dict)  # local rank -> the worker's report
@@ -89,6 +94,7 @@ class ReformSession(NodeService):
         self._kept: dict[int, WorkerHandle] = {}
         #: Why each worker asked by the last :meth:`pause` was not kept (restarted instead), by PID.
         self.refused: dict[int, str] = {}
+        self._within = 0.0  # the last pause's time to reach a commit
 
     # -- node service ------------------------------------------------------------------------
     def worker_env(self) -> dict[str, str]:
@@ -114,28 +120,34 @@ class ReformSession(NodeService):
         """Whether this live worker is connected, so it can be paused instead of killed."""
         return self.channel is not None and handle.poll() is None and self.channel.connected(handle.pid)
 
-    def pause(self, handles: list[WorkerHandle], detected_at: float) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
+    def pause(self, handles: list[WorkerHandle], detected_at: float,
+              within: float = 0.0) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
         """Ask the live, opted-in ``handles`` to leave their group: ``(kept, asked)``, kept being those
-        that said they did within the bound.  Starts a new re-form (PAUSED), or none (IDLE)."""
+        that said they did within the bound.  Starts a new re-form (PAUSED), or none (IDLE).
+
+        ``within`` > 0 (the group is whole: a node joins): they may first finish their step, leaving
+        at the end of a ``commit()`` that comes within that many seconds; the bound grows by as much."""
         self.pending = None
         self._kept = {}
         self.refused = {}
         self.phase = Phase.IDLE
+        self._within = within
         if self.channel is None:
             return [], []
         self.pump()
-        asked = [h for h in handles if self.opted_in(h) and self.channel.send(h.pid, Pause())]
+        asked = [h for h in handles if self.opted_in(h) and self.channel.send(h.pid, Pause(within=within))]
         if not asked:
             return [], []
         t0 = time.monotonic()
-        answers = self.channel.wait_for([h.pid for h in asked], (Paused, Failed), self.timeout)
+        answers = self.channel.wait_for([h.pid for h in asked], (Paused, Failed), self.timeout + within)
         kept = [h for h in asked if isinstance(answers.get(h.pid), Paused) and h.poll() is None]
         for h in asked:
             if h not in kept:
                 self.refused[h.pid] = self._refusal(h, answers.get(h.pid))
         if kept:
             self._kept = {h.launch.local_rank: h for h in kept}
-            self.pending = PendingReform(detected_at=detected_at, paused_in=time.monotonic() - t0)
+            self.pending = PendingReform(detected_at=detected_at, paused_in=time.monotonic() - t0,
+                                         at_commit=all(getattr(answers[h.pid], "at_commit", False) for h in kept))
             self.phase = Phase.PAUSED
         return kept, asked
 
@@ -146,7 +158,8 @@ class ReformSession(NodeService):
         if handle.poll() is not None:
             return "exited while leaving its group"
         threads = thread_states(handle.pid)  # Python's stacks come next (SIGABRT); the kernel's view is lost then
-        return f"no answer to the pause within --reform-timeout ({self.timeout:g} s)" + (
+        extra = f", after {self._within:g} s to reach its next commit" if self._within else ""
+        return f"no answer to the pause within --reform-timeout ({self.timeout:g} s{extra})" + (
             f"; its threads then: {threads}" if threads else "")
 
     def take_kept(self) -> dict[int, WorkerHandle]:

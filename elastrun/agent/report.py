@@ -257,11 +257,13 @@ class AgentReport:
                               f"--crash-loop-limit={self.config.crash_loop_limit}")
 
     # -- in-process re-forms ---------------------------------------------------------------------
-    def workers_paused(self, kept: list[tuple[int, int]], took: float) -> None:
-        """Workers that left their group and keep their process: ``kept`` holds (rank, pid) pairs."""
+    def workers_paused(self, kept: list[tuple[int, int]], took: float, at_commit: bool = False) -> None:
+        """Workers that left their group and keep their process: ``kept`` holds (rank, pid) pairs;
+        ``at_commit``: they left at the end of a commit (their step finished, nothing thrown away)."""
         who = ", ".join(f"{rank} (pid {pid})" for rank, pid in sorted(kept))
+        how = " at the end of a commit()" if at_commit else ""
         self.console.info(f"rank{'s' if len(kept) > 1 else ''} {who} left {'their' if len(kept) > 1 else 'its'} "
-                          f"group in {took:.2f} s and keep{'' if len(kept) > 1 else 's'} "
+                          f"group{how} in {took:.2f} s and keep{'' if len(kept) > 1 else 's'} "
                           f"{'their processes' if len(kept) > 1 else 'its process'} for the next round")
 
     def reform_failed(self, rank: int, error: str) -> None:
@@ -275,10 +277,10 @@ class AgentReport:
                           f"process: {cause}")
 
     def reform(self, round_: int, took: float, paused_in: float, kept: list[int], restarted: list[int],
-               sources: list[str], step: int) -> None:
+               sources: list[str], step: int, at_commit: bool = False) -> None:
         """Every kept worker re-formed in its process."""
         self.events.emit("reform", round=round_, duration=round(took, 4), paused_in=round(paused_in, 4),
-                         kept=kept, restarted=restarted, sources=sources, step=step)
+                         kept=kept, restarted=restarted, sources=sources, step=step, at_commit=at_commit)
         def local(ranks: list[int]) -> str:
             return f"local rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}"
 

@@ -79,18 +79,26 @@ class Hello:
 
 @dataclass(frozen=True)
 class Pause:
-    """agent → worker: leave the current process group now, then say :class:`Paused`."""
+    """agent → worker: leave the current process group, then say :class:`Paused`.
+
+    ``within`` 0: leave now, wherever the training thread is (a fault).  ``within`` > 0: the group
+    is whole (a node joins), so leave at the end of the next ``commit()`` if that comes within
+    ``within`` seconds, else now (:mod:`elastrun.train.commit_pause`).
+    """
 
     kind: ClassVar[str] = "pause"
+    within: float = 0.0
 
 
 @dataclass(frozen=True)
 class Paused:
-    """worker → agent: it left its group; ``live`` is the committed step its own objects hold (None: torn)."""
+    """worker → agent: it left its group; ``live`` is the committed step its own objects hold (None: torn);
+    ``at_commit``: it left at the end of a ``commit()`` (nothing of a step was thrown away)."""
 
     kind: ClassVar[str] = "paused"
     live: int | None
     pid: int
+    at_commit: bool = False
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,7 @@ TO_AGENT: tuple[type, ...] = (Hello, Paused, Reformed, Failed)
 TO_WORKER: tuple[type, ...] = (Pause, Assign)
 
 _CHECKS: dict[str, Callable[[Any], bool]] = {
+    "bool": lambda v: isinstance(v, bool),
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "int | None": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
     "float": lambda v: isinstance(v, int | float) and not isinstance(v, bool),

@@ -10,10 +10,12 @@ agreed by every rank (``State.restore()``, from its own objects where it can) an
 again.  Its process, imports, model and optimizer objects stay.
 
 How the training thread is made to leave (the worker is usually blocked in a collective whose
-peer died or stopped, or computing):
+peer died or stopped, or computing).  For a join, where the group is whole, it first goes on to
+the end of its next ``commit()`` if that is near, and every rank leaves there
+(:mod:`elastrun.train.commit_pause`); otherwise, and for a fault:
 
 * the group's TCP connections are shut down (``shutdown(2)`` on the sockets the group opened,
-  found by inode), which makes a pending or later gloo collective fail at once even when the
+  found by inode: :mod:`elastrun.train.group_sockets`), which makes a pending or later gloo collective fail at once even when the
   peer is alive but silent (SIGSTOPped): ``ProcessGroupGloo.abort()`` does not wake a pending
   collective in torch 2.13;
 * a real-time signal to the main thread, whose Python handler raises :class:`Reform` when the
@@ -31,7 +33,6 @@ import contextlib
 import gc
 import os
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -41,9 +42,10 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from elastrun.shared.protocol import WAIT_ENV, Assign, Failed, Pause, Paused, Reformed, ToAgent, ToWorker
-from elastrun.shared.sockets import connected_tcp, socket_inodes
 from elastrun.train import copier, notes, stuck
+from elastrun.train.commit_pause import CommitClock, commit_deadline
 from elastrun.train.dist import DistInfo, forget_mesh_caches, init_distributed
+from elastrun.train.group_sockets import GroupSockets
 from elastrun.train.reformable import Reformable
 from elastrun.worker import heartbeat, pg_guard
 from elastrun.worker.control_client import ControlClient
@@ -64,86 +66,6 @@ class Reform(BaseException):
     """
 
 
-# ------------------------------------------------------------------------------------- sockets
-def _connected_tcp(fd: int) -> socket.socket | None:
-    """A duplicate of ``fd`` if it is a connected (not listening) TCP socket, else None."""
-    try:
-        return connected_tcp(os.dup(fd))
-    except OSError:
-        return None
-
-
-def _ended(fd: int) -> bool | None:
-    """Whether connection ``fd`` reads end-of-file or an error (None: not a connected TCP socket)."""
-    sock = _connected_tcp(fd)
-    if sock is None:
-        return None
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
-        return True
-    finally:
-        sock.close()
-
-
-class GroupSockets:
-    """The TCP connections of the current default process group, found by what its init opened.
-
-    Shutting a gloo listener down would abort the process (gloo's accept loop enforces success),
-    so only connected sockets are touched.
-    """
-
-    def __init__(self) -> None:
-        self._before: set[int] | None = None  # sockets that existed when the current init began
-        self._group: set[int] = set()
-
-    def init_begins(self) -> None:
-        self._before = set(socket_inodes())
-        self._group = set()
-
-    def init_done(self) -> None:
-        if self._before is not None:
-            self._group = set(socket_inodes()) - self._before
-        self._before = None
-
-    def _targets(self) -> dict[int, int]:
-        now = socket_inodes()
-        if self._before is not None:  # during an init: whatever it opened so far
-            return {i: fd for i, fd in now.items() if i not in self._before}
-        return {i: fd for i, fd in now.items() if i in self._group}
-
-    def shutdown(self) -> None:
-        """Shut down every connection of the group: its pending and later collectives fail."""
-        for fd in self._targets().values():
-            sock = _connected_tcp(fd)
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                sock.close()
-
-    def connections_open(self) -> int | None:
-        """How many of the group's connections could still carry a byte (None: it has none to watch).
-
-        A connection shut down (by the pause), closed by its peer, failed or closed here is not open."""
-        if not self._group:
-            return None
-        now = socket_inodes()
-        return sum(1 for inode in self._group if inode in now and _ended(now[inode]) is False)
-
-    def peer_lost(self) -> bool:
-        """Whether a connection of the group was closed by its peer (or is gone)."""
-        now = socket_inodes()
-        return any(inode not in now or _ended(now[inode]) for inode in self._group)
-
-    def forget(self) -> None:
-        self._before = None
-        self._group = set()
-
-
 # ------------------------------------------------------------------------------------- the link
 class Link:
     """This worker's side of a re-form: the control connection, the pause flag and the interrupt."""
@@ -151,7 +73,16 @@ class Link:
     def __init__(self) -> None:
         self.sockets = GroupSockets()
         self._cond = threading.Condition()
+        #: The training thread must leave now (a hard pause, or the group agreed at a commit).
         self.pause_pending = False
+        #: The agent asked for a pause, and this worker has not answered yet.
+        self.asked = False
+        #: The agent asked to leave at the next commit (:mod:`~elastrun.train.commit_pause`), due by a timer.
+        self.soft_pending = False
+        self._soft_timer: threading.Timer | None = None
+        #: The commit at whose end the group agreed to leave (None: interrupted, or not left).
+        self.left_at: int | None = None
+        self.clock = CommitClock()
         self._assign: Assign | None = None
         self.closed = False
         #: Whether the training thread runs the user's function (where a Reform may be raised).
@@ -193,22 +124,54 @@ class Link:
     def _on_message(self, message: ToWorker | None) -> None:
         if isinstance(message, Pause):  # first: nothing below may wait on a starved idle-priority helper
             copier.boost_idle_threads()
+        now = False
         with self._cond:
             if message is None:
                 self.closed = True
             elif isinstance(message, Pause):
-                self.pause_pending = True
+                self.asked = True
+                if not self.pause_pending and not self._leave_at_commit(message.within):
+                    self.pause_pending = now = True
             elif isinstance(message, Assign):
                 self._assign = message
             self._cond.notify_all()
-        if isinstance(message, Pause):
-            self.sockets.shutdown()
-            if self._previous_handler is not None and self._main is not None:
-                try:
-                    signal.pthread_kill(self._main, INTERRUPT_SIGNAL)
-                except (OSError, ValueError):
-                    pass
-                self._watch_leave()
+        if now:
+            self._interrupt()
+
+    def _leave_at_commit(self, within: float) -> bool:
+        """Wait for the next commit instead of interrupting, if it is near (under ``_cond``)."""
+        if self.soft_pending:
+            return True
+        if within <= 0 or not self.in_fn:
+            return False
+        deadline = commit_deadline(time.monotonic(), self.clock.last, self.clock.gap, within)
+        if deadline is None:
+            return False
+        self.soft_pending = True
+        self._soft_timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._commit_overdue)
+        self._soft_timer.daemon = True
+        self._soft_timer.start()
+        return True
+
+    def _commit_overdue(self) -> None:
+        """The next commit did not come in time: interrupt the training thread as a fault's pause does."""
+        with self._cond:
+            if not self.soft_pending or self.pause_pending:
+                return
+            self.soft_pending = False
+            self.pause_pending = True
+            self._cond.notify_all()
+        self._interrupt()
+
+    def _interrupt(self) -> None:
+        """Make the training thread leave wherever it is: its group's connections, then the signal."""
+        self.sockets.shutdown()
+        if self._previous_handler is not None and self._main is not None:
+            try:
+                signal.pthread_kill(self._main, INTERRUPT_SIGNAL)
+            except (OSError, ValueError):
+                pass
+            self._watch_leave()
 
     def _watch_leave(self) -> None:
         """Tell the agent at once when the training thread cannot leave (:mod:`elastrun.train.stuck`)."""
@@ -229,7 +192,12 @@ class Link:
     # -- training thread -------------------------------------------------------------------------
     def _on_interrupt(self, _signum: int, _frame: Any) -> None:
         if self.pause_pending and self.in_fn and self.critical == 0:
-            raise Reform("the agent asked this worker to leave its process group")
+            raise Reform(self._why())
+
+    def _why(self) -> str:
+        if self.left_at is not None:
+            return f"the group left at the end of commit {self.left_at} (a node joins)"
+        return "the agent asked this worker to leave its process group"
 
     @contextlib.contextmanager
     def section(self) -> Iterator[None]:
@@ -240,24 +208,49 @@ class Link:
         finally:
             self.critical -= 1
         if self.critical == 0 and self.in_fn and self.pause_pending:
-            raise Reform("the agent asked this worker to leave its process group")
+            raise Reform(self._why())
+
+    def vote(self) -> int:
+        """This rank's vote in the commit's flags: 1 when it is to leave (the group leaves with it)."""
+        return int(self.soft_pending or self.pause_pending)
+
+    def committed(self, step: int, leave: bool) -> None:
+        """A commit ended; ``leave``: some rank voted, so every rank leaves at its end (raised as
+        the commit's section ends)."""
+        self.clock.committed(time.monotonic())
+        if not leave or not self.in_fn:
+            return
+        with self._cond:
+            self.left_at = step
+            self.pause_pending = True
+            self._stop_soft()
+
+    def _stop_soft(self) -> None:
+        self.soft_pending = False
+        if self._soft_timer is not None:
+            self._soft_timer.cancel()
+            self._soft_timer = None
 
     def wait_pause(self, timeout: float) -> bool:
         """Wait for the agent's pause (bounded); True when it came."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while not self.pause_pending and not self.closed:
+            while not self.asked and not self.closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._cond.wait(left)
-            return self.pause_pending
+            return self.asked
 
     def paused(self, live: int | None) -> None:
-        """Tell the agent this worker left its group (clears the pause flag)."""
+        """Tell the agent this worker left its group (clears the pause flags)."""
         with self._cond:
-            self.pause_pending = False
-        self.send(Paused(live=live, pid=os.getpid()))
+            at_commit = self.left_at is not None
+            self.pause_pending = self.asked = False
+            self.left_at = None
+            self._stop_soft()
+        self.clock.reset()
+        self.send(Paused(live=live, pid=os.getpid(), at_commit=at_commit))
 
     def wait_assign(self) -> Assign:
         """The new round's assignment (waits as long as the agent needs; it kills us otherwise)."""
@@ -287,6 +280,19 @@ def section() -> Iterator[None]:
         return
     with link.section():
         yield
+
+
+def vote() -> int:
+    """Used by ``State.commit()``: 1 when this rank is to leave its group (a pause is asked)."""
+    link = _link
+    return 0 if link is None else link.vote()
+
+
+def committed(step: int, leave: bool) -> None:
+    """Used by ``State.commit()`` inside its section: the commit ended; ``leave``, some rank voted."""
+    link = _link
+    if link is not None:
+        link.committed(step, leave)
 
 
 # ------------------------------------------------------------------------------------- run
@@ -376,6 +382,9 @@ def _reform(link: Link, state: Reformable, backend: str | None, timeout_s: float
         left = False
         try:
             _leave_group(link)
+            if not link.wait_pause(link.wait_s):  # left with the group before its own agent asked
+                raise RuntimeError(f"this worker left its group with the others at a commit, and its agent did "
+                                   f"not ask it to within {link.wait_s:g} s")
             link.paused(state.live_step())
             left = True
             message = link.wait_assign()

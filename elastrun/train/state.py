@@ -239,8 +239,8 @@ class State(Reformable):
         heartbeat()  # progress for the agent's hang and crash-loop detection
         pipe.mark_step()
         unready, every = pipe.propose()
-        flags = (self.preempted, self._part.copying(), unready, every)
-        stop, copying, unready, every = edist.maxima(flags, self._flag_scratch)  # one tiny all-reduce
+        flags = (self.preempted, self._part.copying(), unready, every, reform.vote())
+        stop, copying, unready, every, leave = edist.maxima(flags, self._flag_scratch)  # one tiny all-reduce
         rng_state = rng.capture()
         core.mem.write_rng(core.rank, self.step, rng_state, keep=pipe.kept)
         if core.local_rank == 0 and self.step % 100 == 0:
@@ -256,6 +256,7 @@ class State(Reformable):
             if self.preempted:
                 raise SystemExit(0)
         self._objects.remember_live(rng_state, core.world_size)
+        reform.committed(self.step, bool(leave))  # some rank is asked to pause: all leave here, in step
 
     def checkpoint(self) -> None:
         """Write a durable checkpoint of the last committed step now and wait for it (all ranks

@@ -116,6 +116,8 @@ class StandInChannel(ControlChannel):
         self.inbox: dict[int, list[ToAgent]] = {}
         self.forgotten: list[int] = []
         self.closed = False
+        #: The bound of each :meth:`wait_for`, in order.
+        self.bounds: list[float] = []
 
     def deliver(self, pid: int, message: ToAgent) -> None:
         """A message from worker ``pid`` arrives."""
@@ -147,6 +149,7 @@ class StandInChannel(ControlChannel):
         return None
 
     def wait_for(self, pids, kinds, timeout):
+        self.bounds.append(timeout)
         got = {}
         for pid in pids:
             for kind in kinds:

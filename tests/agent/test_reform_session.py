@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastrun.agent.reform_session import WORKER_WAIT, Phase, ReformSession
+from elastrun.agent.reform_session import COMMIT_WAIT, WORKER_WAIT, Phase, ReformSession
 from elastrun.agent.workers.starter import WorkerLaunch
 from elastrun.shared.protocol import SOCKET_ENV, WAIT_ENV, Assign, Failed, Pause, Paused, Reformed
 from tests.agent.standins import StandInChannel, StandInHandle
@@ -56,6 +56,24 @@ def test_only_workers_that_answer_paused_are_kept(handles):
     assert session.pending is not None and session.pending.detected_at == 12.5
     assert session.take_kept() == {0: handles[0]}
     assert session.take_kept() == {}  # handed over once
+
+
+def test_a_join_asks_the_workers_to_leave_at_their_next_commit_and_waits_that_much_longer(handles):
+    left = {pid: Paused(live=7, pid=pid, at_commit=True) for pid in (100, 101)}
+    channel = StandInChannel({**left, 102: None})
+    session = ReformSession(channel, timeout=5.0)
+    kept, asked = session.pause(handles, detected_at=1.0, within=COMMIT_WAIT)
+    assert [m for _, m in channel.sent] == [Pause(within=COMMIT_WAIT)] * 3
+    assert channel.bounds == [5.0 + COMMIT_WAIT]
+    assert kept == handles[:2] and session.pending is not None and session.pending.at_commit
+    assert f"--reform-timeout (5 s, after {COMMIT_WAIT:g} s to reach its next commit)" in session.refused[102]
+    # one kept worker interrupted where it was: the re-form as a whole did not leave at a commit
+    channel = StandInChannel({100: Paused(live=7, pid=100, at_commit=True), 101: Paused(live=6, pid=101)})
+    session = ReformSession(channel, timeout=5.0)
+    session.pause(handles[:2], detected_at=1.0, within=COMMIT_WAIT)
+    assert session.pending is not None and not session.pending.at_commit
+    session.pause(handles[:2], detected_at=2.0)  # a fault's pause: no time to reach a commit
+    assert channel.sent[-1][1] == Pause() and channel.bounds[-1] == 5.0
 
 
 def test_a_worker_not_connected_is_not_asked(handles):

@@ -293,6 +293,40 @@ def test_node_loss_and_join_keep_the_survivor_process(work, procs):
     assert_exactly_once(out, samples, epochs)
 
 
+def test_a_join_lets_the_survivor_finish_its_step_and_leave_at_its_commit(work, procs):
+    """A trains alone (1:2) and B joins.  The group is whole, so A's worker, asked to pause for the
+    joiner, finishes the step it is in and leaves its group at the end of that step's commit
+    (elastrun/train/commit_pause.py): nothing of the step is thrown away, the worker keeps its
+    objects ("live") and every sample is used once per epoch."""
+    samples, epochs = 480, 2  # 120 steps of about 0.1 s alone: B's start-up takes a few seconds
+    out = work / "out"
+    out.mkdir()
+    run_id = f"reform-join-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    args = ["--samples", str(samples), "--epochs", str(epochs), "--sleep", "0.1", "--reform"]
+    try:
+        a = procs.start(elastic(out, port, run_id, args, flags=("--event-log-stdout",)), work / "a.log")
+        wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
+        wait_for(lambda: len(committed_steps(out)) >= 5, 60, "A stepping alone")
+        b = procs.start(elastic(out, port, run_id, args), work / "b.log")
+        wait_for(lambda: any(v["world_size"] == 2 for v in restores(out).values()), 90, "world 2")
+        assert a.wait(150) == 0, (work / "a.log").read_text()[-3000:]
+        assert b.wait(30) == 0, (work / "b.log").read_text()[-3000:]
+    finally:
+        remove_snapshot_dirs(run_id)
+    got = restores(out)
+    logs = "\n".join((work / n).read_text()[-2000:] for n in ("a.log", "b.log"))
+    grow = min(k[0] for k, v in got.items() if v["world_size"] == 2)
+    a_pid = got[(0, 0)]["pid"]
+    at_grow = {v["pid"] == a_pid: v for k, v in got.items() if k[0] == grow}
+    assert at_grow[True]["source"] == "live" and at_grow[False]["source"] == "peer", (got, logs)
+    assert at_grow[True]["step"] >= 5, (got, logs)
+    reforms = events(work / "a.log", "reform")
+    assert [(r["kept"], r["at_commit"]) for r in reforms] == [([0], True)], (reforms, logs)
+    assert "left its group at the end of a commit()" in (work / "a.log").read_text(), logs
+    assert_exactly_once(out, samples, epochs)
+
+
 def test_preemption_under_run_checkpoints_and_exits(work, procs):
     """SIGTERM to the agent with ``et.run``: as without it, every rank stops at the same step, a
     durable checkpoint of that step is written, and the job exits without a traceback."""

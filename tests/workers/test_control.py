@@ -34,7 +34,8 @@ from elastrun.worker.control_client import ControlClient
 
 pytestmark = pytest.mark.unit
 
-EVERY = [Hello(pid=7, local_rank=1), Pause(), Paused(live=12, pid=7), Paused(live=None, pid=7),
+EVERY = [Hello(pid=7, local_rank=1), Pause(), Pause(within=5.0), Paused(live=12, pid=7), Paused(live=None, pid=7),
+         Paused(live=12, pid=7, at_commit=True),
          Assign(env={"RANK": "3"}, round=4), Reformed(round=4, source="live", step=12, took=0.25, after="x"),
          Failed(error="RuntimeError: boom")]
 
@@ -52,6 +53,7 @@ def test_every_message_round_trips(message):
     ({"type": "hello"}, "'hello' message without its field 'pid'"),
     ({"type": "hello", "pid": "12"}, "field 'pid' must be int"),
     ({"type": "paused", "live": 1.5, "pid": 1}, "field 'live' must be int | None"),
+    ({"type": "paused", "live": 1, "pid": 1, "at_commit": 1}, "field 'at_commit' must be bool"),
     ({"type": "failed", "error": "x", "extra": 1}, "unknown field(s) extra"),
     ([1, 2], "must be a JSON object"),
 ])
