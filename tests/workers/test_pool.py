@@ -164,6 +164,24 @@ def test_omp_num_threads_is_honoured(pool, probe, tmp_path):
     assert json.loads((tmp_path / "omp.json").read_text())["torch_threads"] == 3
 
 
+def _still_running(pid: int, tmp: Path, tag: str) -> str:
+    """What a worker that did not end after its signal was doing (each thread's state, wait channel and
+    blocked and pending signals, its output), before it is killed: the evidence of a rare failure."""
+    threads = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+            wchan = (task / "wchan").read_text()
+        except OSError:
+            continue
+        threads.append(f"{task.name} {status.get('Name', '?').strip()} {status.get('State', '?').strip()} "
+                       f"wchan={wchan} blocked={status.get('SigBlk', '?').strip()} "
+                       f"pending={status.get('SigPnd', '?').strip()} shared={status.get('ShdPnd', '?').strip()}")
+    os.kill(pid, signal.SIGKILL)
+    output = " | ".join(p.read_text()[-500:] for p in (tmp / f"{tag}.out", tmp / f"{tag}.err") if p.exists())
+    return f"still running 30 s after the signal; threads: {'; '.join(threads)}; output: {output}"
+
+
 @pytest.mark.parametrize("how", ["fork", "bootstrap"])
 def test_exit_codes_exceptions_and_signals(pool, probe, tmp_path, how):
     starter = pool if how == "fork" else ExecStarter()
@@ -188,8 +206,9 @@ def test_exit_codes_exceptions_and_signals(pool, probe, tmp_path, how):
         await_report(tmp_path / f"{tag}.json")
         handle.send_signal(sig)
         status = handle.wait(30)
+        seen = "" if status is not None else _still_running(handle.pid, tmp_path, tag)
         handle.close()
-        assert status is not None and (status.exitcode, status.signal) == expected, tag
+        assert status is not None and (status.exitcode, status.signal) == expected, f"{tag}: {seen}"
 
 
 def test_fallbacks_exec_with_a_notice(pool, probe, tmp_path, capfd):
