@@ -4,7 +4,8 @@ Workers whose script runs ``elastrun.train.run`` connect to the agent's control 
 (:mod:`elastrun.agent.workers.control_server`, messages in :mod:`elastrun.shared.protocol`).  When the agent would kill
 its workers for a new round (a local failure, a hang, a change elsewhere), :meth:`ReformSession.pause`
 instead asks those that are alive and connected to leave their process group, and waits — at most
-``--reform-timeout`` seconds — for each to say it did.  Those that answer are kept: once the next
+``--reform-timeout`` seconds, plus :data:`COMMIT_WAIT` for a join, whose workers first finish their
+step and leave at the end of its ``commit()`` — for each to say it did.  Those that answer are kept: once the next
 round has closed the worker group takes them back (:meth:`ReformSession.take_kept`) and
 :meth:`ReformSession.assign` sends each its new environment; it joins the new group in the same
 process and says ``Reformed``.  Those that do not answer in time are killed and started again, as

@@ -15,9 +15,9 @@ the end of its next ``commit()`` if that is near, and every rank leaves there
 (:mod:`elastrun.train.commit_pause`); otherwise, and for a fault:
 
 * the group's TCP connections are shut down (``shutdown(2)`` on the sockets the group opened,
-  found by inode: :mod:`elastrun.train.group_sockets`), which makes a pending or later gloo collective fail at once even when the
-  peer is alive but silent (SIGSTOPped): ``ProcessGroupGloo.abort()`` does not wake a pending
-  collective in torch 2.13;
+  found by inode: :mod:`elastrun.train.group_sockets`), which makes a pending or later gloo
+  collective fail at once even when the peer is alive but silent (SIGSTOPped):
+  ``ProcessGroupGloo.abort()`` does not wake a pending collective in torch 2.13;
 * a real-time signal to the main thread, whose Python handler raises :class:`Reform` when the
   thread is in the user's code (between bytecodes: pure-Python compute, ``time.sleep``), and
   defers it while ``State`` is inside ``commit()``/``restore()``, which then raise it on return.
@@ -140,10 +140,11 @@ class Link:
 
     def _leave_at_commit(self, within: float) -> bool:
         """Wait for the next commit instead of interrupting, if it is near (under ``_cond``)."""
+        if within <= 0 or not self.in_fn:  # a fault's pause cuts short a wait for a commit
+            self._stop_soft()
+            return False
         if self.soft_pending:
             return True
-        if within <= 0 or not self.in_fn:
-            return False
         deadline = commit_deadline(time.monotonic(), self.clock.last, self.clock.gap, within)
         if deadline is None:
             return False
@@ -383,8 +384,9 @@ def _reform(link: Link, state: Reformable, backend: str | None, timeout_s: float
         try:
             _leave_group(link)
             if not link.wait_pause(link.wait_s):  # left with the group before its own agent asked
-                raise RuntimeError(f"this worker left its group with the others at a commit, and its agent did "
-                                   f"not ask it to within {link.wait_s:g} s")
+                raise RuntimeError("the elastrun agent closed the control connection during a re-form" if link.closed
+                                   else f"this worker left its group with the others at a commit, and its agent "
+                                   f"did not ask it to within {link.wait_s:g} s")
             link.paused(state.live_step())
             left = True
             message = link.wait_assign()
