@@ -52,8 +52,8 @@ EVENT_KINDS: dict[str, str] = {
     "recovered": "round, reason, duration (s from the fault to all workers started)",
     "reform": (
         "round, duration (s from the change to every kept worker re-formed), paused_in, kept, restarted (local "
-        "ranks), sources, step, at_commit (the kept workers left at the end of a commit: nothing of a step "
-        "thrown away)"
+        "ranks), sources, step, at_commit (the kept workers left at the end of a commit, for a join or a "
+        "pre-empted rank: nothing of a step thrown away)"
     ),
     "reform_fallback": "rank, local_rank, pid, cause (why a worker that opted in is restarted instead of kept)",
     "signal": "signal, action, grace",

@@ -80,8 +80,9 @@ class Link:
         #: The agent asked to leave at the next commit (:mod:`~elastrun.train.commit_pause`), due by a timer.
         self.soft_pending = False
         self._soft_timer: threading.Timer | None = None
-        #: The commit at whose end the group agreed to leave (None: interrupted, or not left).
+        #: The commit at whose end the group agreed to leave (None: interrupted, or not left), and why.
         self.left_at: int | None = None
+        self._left_for = ""
         self.clock = CommitClock()
         self._assign: Assign | None = None
         self.closed = False
@@ -197,7 +198,7 @@ class Link:
 
     def _why(self) -> str:
         if self.left_at is not None:
-            return f"the group left at the end of commit {self.left_at} (a node joins)"
+            return f"the group left at the end of commit {self.left_at} ({self._left_for})"
         return "the agent asked this worker to leave its process group"
 
     @contextlib.contextmanager
@@ -215,14 +216,15 @@ class Link:
         """This rank's vote in the commit's flags: 1 when it is to leave (the group leaves with it)."""
         return int(self.soft_pending or self.pause_pending)
 
-    def committed(self, step: int, leave: bool) -> None:
-        """A commit ended; ``leave``: some rank voted, so every rank leaves at its end (raised as
-        the commit's section ends)."""
+    def committed(self, step: int, leave_for: str | None) -> None:
+        """A commit ended; ``leave_for`` (why; None: go on): every rank leaves at its end, raised as
+        the commit's section ends.  A rank voted for a join's pause, or a pre-empted rank exits there
+        (the others would wait for it in their next collective, their step thrown away)."""
         self.clock.committed(time.monotonic())
-        if not leave or not self.in_fn:
+        if leave_for is None or not self.in_fn:
             return
         with self._cond:
-            self.left_at = step
+            self.left_at, self._left_for = step, leave_for
             self.pause_pending = True
             self._stop_soft()
 
@@ -289,11 +291,12 @@ def vote() -> int:
     return 0 if link is None else link.vote()
 
 
-def committed(step: int, leave: bool) -> None:
-    """Used by ``State.commit()`` inside its section: the commit ended; ``leave``, some rank voted."""
+def committed(step: int, leave_for: str | None) -> None:
+    """Used by ``State.commit()`` inside its section: the commit ended; ``leave_for``: why every rank
+    leaves the group at its end (None: they go on)."""
     link = _link
     if link is not None:
-        link.committed(step, leave)
+        link.committed(step, leave_for)
 
 
 # ------------------------------------------------------------------------------------- run

@@ -256,7 +256,8 @@ class State(Reformable):
             if self.preempted:
                 raise SystemExit(0)
         self._objects.remember_live(rng_state, core.world_size)
-        reform.committed(self.step, bool(leave))  # some rank is asked to pause: all leave here, in step
+        # Some rank is asked to pause (a join), or was pre-empted and exits: the others leave here, in step.
+        reform.committed(self.step, "a node joins" if leave else "a rank was pre-empted" if stop else None)
 
     def checkpoint(self) -> None:
         """Write a durable checkpoint of the last committed step now and wait for it (all ranks

@@ -327,6 +327,41 @@ def test_a_join_lets_the_survivor_finish_its_step_and_leave_at_its_commit(work, 
     assert_exactly_once(out, samples, epochs)
 
 
+def test_a_node_preempted_under_run_leaves_the_survivor_at_its_last_commit(work, procs):
+    """A and B train (1:2); B's agent is SIGTERMed.  B's worker checkpoints at its next commit and
+    exits; that commit tells every rank (its flags), so A's worker leaves its group at the end of the
+    same commit instead of waiting in its next collective for a rank that is gone: it keeps that step
+    and its objects ("live"), and every sample is used once per epoch."""
+    samples, epochs = 480, 2
+    out, ck = work / "out", work / "ck"
+    out.mkdir()
+    run_id = f"reform-preempt-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    args = ["--samples", str(samples), "--epochs", str(epochs), "--sleep", "0.1", "--reform", "--ckpt", str(ck)]
+    try:
+        a = procs.start(elastic(out, port, run_id, args, flags=("--event-log-stdout",)), work / "a.log")
+        wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
+        b = procs.start(elastic(out, port, run_id, args), work / "b.log")
+        wait_for(lambda: any(v["world_size"] == 2 for v in restores(out).values()), 90, "world 2")
+        two = min(k[0] for k, v in restores(out).items() if v["world_size"] == 2)
+        wait_for(lambda: len([s for s in committed_steps(out).values() if s[0]["attempt"] >= two]) >= 5, 60,
+                 "steps at world size 2")
+        os.kill(b.pid, signal.SIGTERM)
+        assert b.wait(60) == 128 + signal.SIGTERM, (work / "b.log").read_text()[-3000:]  # as torchrun
+        assert a.wait(150) == 0, (work / "a.log").read_text()[-3000:]
+    finally:
+        remove_snapshot_dirs(run_id)
+    got = restores(out)
+    logs = "\n".join((work / n).read_text()[-2000:] for n in ("a.log", "b.log"))
+    stop = json.loads((out / "preempted.r1.json").read_text())["step"]
+    one = min(k[0] for k, v in got.items() if k[0] > two and v["world_size"] == 1)
+    assert got[(one, 0)]["pid"] == got[(two, 0)]["pid"], (got, logs)
+    assert got[(one, 0)]["source"] == "live" and got[(one, 0)]["step"] == stop, (got, stop, logs)
+    reforms = events(work / "a.log", "reform")
+    assert [r["at_commit"] for r in reforms] == [True], (reforms, logs)
+    assert_exactly_once(out, samples, epochs)
+
+
 def test_preemption_under_run_checkpoints_and_exits(work, procs):
     """SIGTERM to the agent with ``et.run``: as without it, every rank stops at the same step, a
     durable checkpoint of that step is written, and the job exits without a traceback."""
