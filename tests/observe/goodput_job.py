@@ -5,7 +5,8 @@ usual loop (``init_distributed``, ``restore``, loop), restarted by the agent aft
 Each process appends JSON lines to ``$TRUTH_DIR/<pid>.jsonl``, written with its own clock and
 independent of elastrun's step records: ``proc`` (process creation, from /proc), ``ready`` (model
 built, before the restore), ``restore`` (plain mode: start, end, source, step), ``enter`` (the
-training body starts: after the restore), and ``step`` (n, start, commit entered, commit returned).
+training body starts: after the restore), and ``step`` (n, start, commit entered, commit returned; also
+when the commit ends the body with a re-form, as a join's pause does at the end of a commit).
 Each line is flushed at once, so a SIGKILLed worker loses none.
 
 The job runs until ``$STOP_FILE`` names a step count (written by the test), then finishes at it.
@@ -62,10 +63,13 @@ def main() -> None:
             loss.backward()
             opt.step()
             time.sleep(STEP_SECONDS)
-            entered = time.time()
-            state.commit()
-            log("step", n=state.step, t0=began, t1=entered, t2=time.time(), rank=dist.get_rank(),
-                world=dist.get_world_size())
+            entered, before = time.time(), state.step
+            try:
+                state.commit()
+            finally:  # a join's pause ends this body at the end of the commit: that step is done all the same
+                if state.step > before:
+                    log("step", n=state.step, t0=began, t1=entered, t2=time.time(), rank=dist.get_rank(),
+                        world=dist.get_world_size())
 
     if os.environ.get("MODE") == "run":
         et.run(train, state)

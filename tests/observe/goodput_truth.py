@@ -95,6 +95,8 @@ def truth(procs: dict[int, Proc], injections: list[Injection], detected: dict[in
     for i, inj in enumerate(injections):
         alive = [p for p in procs.values() if p.steps and p.steps[0][1] < inj.t and _alive_at(p, inj.t)]
         for p in alive:
+            if inj.kind == "join" and any(s[1] <= inj.t < s[3] and (p.pid, s[0], s[1]) not in redone for s in p.steps):
+                continue  # a join's pause waits for the step in progress to commit: nothing was cut short
             last = max((s[3] for s in p.steps if s[3] <= inj.t), default=inj.t)
             out["redone"] += inj.t - last  # the step the fault cut short
         cause = "hang" if inj.kind == "hang" else "detection"

@@ -53,3 +53,15 @@ def test_a_crash_is_placed_at_the_victims_last_step_end() -> None:
         procs[pid].steps.append((51, 5.0, 5.09, 5.1))
     seen = truth(procs, [Injection("crash", 4.5, [3])], {0: 5.2})
     assert seen["detection"] == pytest.approx(3 * 0.2)
+
+
+def test_a_join_cuts_no_step_short_when_the_step_in_progress_committed() -> None:
+    """A node joins at 5.03 s; ranks 1 and 2 finish step 51 (5.0 to 5.1 s) and leave at its commit, then
+    resume from it (step 51) at 5.5 s: no redone time, and step 51 is good."""
+    procs = {pid: _stepping(pid, 1, 51, 0.0) for pid in (1, 2)}
+    for pid in (1, 2):
+        procs[pid].resumes.append((5.5, 5.5, 51))
+        procs[pid].steps += _stepping(pid, 52, 10, 5.5).steps
+    seen = truth(procs, [Injection("join", 5.03, [], joined=5.03)], {0: 5.03})
+    assert seen["redone"] == 0.0
+    assert seen["good"] == pytest.approx(2 * 61 * 0.09)
