@@ -223,7 +223,9 @@ class State(Reformable):
         """Record that one training step is complete (call once per batch, after optimizer.step()).
 
         Cheap on the training thread; on pre-emption (SIGTERM) it makes a durable checkpoint of
-        this step on every rank and then exits this process with status 0.
+        this step on every rank and then exits this process with status 0.  Under ``et.run`` a
+        re-form for a join (or for a pre-empted peer) leaves the training function at the end of a
+        commit, so make it the step's last statement.
         """
         entered = time.time()
         with reform.section():
