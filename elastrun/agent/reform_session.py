@@ -95,7 +95,6 @@ class ReformSession(NodeService):
         self._kept: dict[int, WorkerHandle] = {}
         #: Why each worker asked by the last :meth:`pause` was not kept (restarted instead), by PID.
         self.refused: dict[int, str] = {}
-        self._within = 0.0  # the last pause's time to reach a commit
 
     # -- node service ------------------------------------------------------------------------
     def worker_env(self) -> dict[str, str]:
@@ -132,7 +131,6 @@ class ReformSession(NodeService):
         self._kept = {}
         self.refused = {}
         self.phase = Phase.IDLE
-        self._within = within
         if self.channel is None:
             return [], []
         self.pump()
@@ -144,7 +142,7 @@ class ReformSession(NodeService):
         kept = [h for h in asked if isinstance(answers.get(h.pid), Paused) and h.poll() is None]
         for h in asked:
             if h not in kept:
-                self.refused[h.pid] = self._refusal(h, answers.get(h.pid))
+                self.refused[h.pid] = self._refusal(h, answers.get(h.pid), within)
         if kept:
             self._kept = {h.launch.local_rank: h for h in kept}
             self.pending = PendingReform(detected_at=detected_at, paused_in=time.monotonic() - t0,
@@ -152,14 +150,14 @@ class ReformSession(NodeService):
             self.phase = Phase.PAUSED
         return kept, asked
 
-    def _refusal(self, handle: WorkerHandle, answer: object) -> str:
+    def _refusal(self, handle: WorkerHandle, answer: object, within: float) -> str:
         """Why an asked worker is not kept."""
         if isinstance(answer, Failed):
             return f"could not leave its group: {answer.error[-200:]}"
         if handle.poll() is not None:
             return "exited while leaving its group"
         threads = thread_states(handle.pid)  # Python's stacks come next (SIGABRT); the kernel's view is lost then
-        extra = f", after {self._within:g} s to reach its next commit" if self._within else ""
+        extra = f", after {within:g} s to reach its next commit" if within else ""
         return f"no answer to the pause within --reform-timeout ({self.timeout:g} s{extra})" + (
             f"; its threads then: {threads}" if threads else "")
 
