@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from tests import warm
-from tests.harness import base_env, wait_until
+from tests.harness import base_env, remove_runtime_dirs, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS_SCRIPT = REPO / "tests" / "scripts" / "steps.py"
@@ -50,7 +50,8 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
 
 
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    """Signal the agent's process group (agent and workers), then reap the agent."""
+    """Signal the agent's process group (agent and workers), reap the agent, and remove its directories
+    when it is gone (a SIGKILLed agent cannot)."""
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, sig)
@@ -61,6 +62,7 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(5)
+    remove_runtime_dirs({proc.pid})
 
 
 def world_steps(rows: list[dict], world: int, after: float = 0.0) -> list[dict]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from tests import warm
-from tests.harness import wait_until
+from tests.harness import remove_runtime_dirs, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINER = Path(__file__).with_name("trainer.py")
@@ -45,7 +44,8 @@ def elastic(out: Path, port: int, run_id: str, trainer_args: list[str], nnodes: 
 
 
 class Procs:
-    """Launched agents; :meth:`cleanup` SIGKILLs whatever is left (by process group id)."""
+    """Launched agents; :meth:`cleanup` SIGKILLs whatever is left (by process group id) and removes the
+    node-memory and temporary directories of the agents it started (a SIGKILLed agent cannot)."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
@@ -81,6 +81,7 @@ class Procs:
     def cleanup(self) -> None:
         for p in self.procs:
             kill_group(p)
+        remove_runtime_dirs({p.pid for p in self.procs})
 
 
 def kill_group(p: subprocess.Popen) -> None:
@@ -152,9 +153,3 @@ def assert_exactly_once(out: Path, samples: int, epochs: int) -> None:
         assert sorted(idx) == list(range(samples)), (
             f"epoch {epoch}: {len(idx)} samples used, {len(set(idx))} distinct, expected each of {samples} once"
         )
-
-
-def remove_snapshot_dirs(run_id: str) -> None:
-    """Snapshot directories of agents the test SIGKILLed (a live agent removes its own)."""
-    for d in Path("/dev/shm").glob(f"elastrun-*{run_id}*"):
-        shutil.rmtree(d, ignore_errors=True)

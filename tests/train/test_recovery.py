@@ -16,7 +16,6 @@ from tests.train.harness import (
     committed_steps,
     elastic,
     final,
-    remove_snapshot_dirs,
     restores,
     standalone,
     wait_for,
@@ -144,28 +143,25 @@ def test_resize_two_one_two_every_sample_once(work, procs):
     run_id = f"train-test-{uuid.uuid4().hex[:8]}"
     port = free_port()
     args = ["--samples", str(samples), "--epochs", str(epochs), "--sleep", "0.15", "--hold-file", str(hold)]
-    try:
-        a = procs.start(elastic(out, port, run_id, args), work / "a.log")
-        # A must host the rendezvous store (it has to outlive B): B starts once A's store listens.
-        wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
-        b = procs.start(elastic(out, port, run_id, args), work / "b.log")
-        wait_for(lambda: any(k[0] >= 0 and v["world_size"] == 2 for k, v in restores(out).items()), 60, "world 2")
-        # When A and B form the first round together, the world-2 restore comes before any step.
-        wait_for(lambda: committed_steps(out), 60, "a committed step")
-        first = max(committed_steps(out))
-        wait_for(lambda: max(committed_steps(out)) >= first + 8, 60, "progress at world size 2")
-        os.killpg(b.pid, signal.SIGKILL)  # node loss: agent and worker
-        b.wait(10)
-        wait_for(lambda: any(v["world_size"] == 1 and v["source"] for v in restores(out).values()), 90, "world 1")
-        shrink = max(k[0] for k, v in restores(out).items() if v["world_size"] == 1)
-        wait_for(lambda: max(committed_steps(out)) >= restores(out)[(shrink, 0)]["step"] + 8, 60, "progress at 1")
-        hold.touch()
-        procs.start(elastic(out, port, run_id, args), work / "b2.log")
-        wait_for(lambda: any(k[0] > shrink and v["world_size"] == 2 for k, v in restores(out).items()), 90, "world 2")
-        hold.unlink()
-        assert a.wait(150) == 0, (work / "a.log").read_text()[-3000:]
-    finally:
-        remove_snapshot_dirs(run_id)
+    a = procs.start(elastic(out, port, run_id, args), work / "a.log")
+    # A must host the rendezvous store (it has to outlive B): B starts once A's store listens.
+    wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
+    b = procs.start(elastic(out, port, run_id, args), work / "b.log")
+    wait_for(lambda: any(k[0] >= 0 and v["world_size"] == 2 for k, v in restores(out).items()), 60, "world 2")
+    # When A and B form the first round together, the world-2 restore comes before any step.
+    wait_for(lambda: committed_steps(out), 60, "a committed step")
+    first = max(committed_steps(out))
+    wait_for(lambda: max(committed_steps(out)) >= first + 8, 60, "progress at world size 2")
+    os.killpg(b.pid, signal.SIGKILL)  # node loss: agent and worker
+    b.wait(10)
+    wait_for(lambda: any(v["world_size"] == 1 and v["source"] for v in restores(out).values()), 90, "world 1")
+    shrink = max(k[0] for k, v in restores(out).items() if v["world_size"] == 1)
+    wait_for(lambda: max(committed_steps(out)) >= restores(out)[(shrink, 0)]["step"] + 8, 60, "progress at 1")
+    hold.touch()
+    procs.start(elastic(out, port, run_id, args), work / "b2.log")
+    wait_for(lambda: any(k[0] > shrink and v["world_size"] == 2 for k, v in restores(out).items()), 90, "world 2")
+    hold.unlink()
+    assert a.wait(150) == 0, (work / "a.log").read_text()[-3000:]
     got = restores(out)
     logs = "\n".join((work / n).read_text()[-1500:] for n in ("a.log", "b.log", "b2.log"))
     assert got[(shrink, 0)]["source"] == "memory", (got, logs)

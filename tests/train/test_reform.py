@@ -24,7 +24,6 @@ from tests.train.harness import (
     committed_steps,
     elastic,
     final,
-    remove_snapshot_dirs,
     restores,
     standalone,
     wait_for,
@@ -156,17 +155,14 @@ def test_a_hang_across_two_nodes_blames_one_rank_and_the_blocked_peer_keeps_its_
     port = free_port()
     args = ["--ddp", "--reform", "--sleep", "0.05"]
     flags = ("--hang-timeout=2", "--event-log-stdout")
-    try:
-        agents = [procs.start(elastic(out, port, run_id, args, nnodes="2", flags=flags), work / "a.log")]
-        wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
-        agents.append(procs.start(elastic(out, port, run_id, args, nnodes="2", flags=flags), work / "b.log"))
-        wait_for(lambda: len(committed_steps(out)) >= 4, 90, "4 steps at world size 2")
-        victim = restores(out)[(0, 1)]["pid"]
-        os.kill(victim, signal.SIGSTOP)
-        for agent, name in zip(agents, ("a.log", "b.log"), strict=True):
-            assert agent.wait(120) == 0, (work / name).read_text()[-3000:]
-    finally:
-        remove_snapshot_dirs(run_id)
+    agents = [procs.start(elastic(out, port, run_id, args, nnodes="2", flags=flags), work / "a.log")]
+    wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
+    agents.append(procs.start(elastic(out, port, run_id, args, nnodes="2", flags=flags), work / "b.log"))
+    wait_for(lambda: len(committed_steps(out)) >= 4, 90, "4 steps at world size 2")
+    victim = restores(out)[(0, 1)]["pid"]
+    os.kill(victim, signal.SIGSTOP)
+    for agent, name in zip(agents, ("a.log", "b.log"), strict=True):
+        assert agent.wait(120) == 0, (work / name).read_text()[-3000:]
     logs = {name: work / name for name in ("a.log", "b.log")}
     text = "\n".join(path.read_text()[-3000:] for path in logs.values())
     hangs = [e for path in logs.values() for e in events(path, "hang_detected")]
@@ -249,37 +245,34 @@ def test_node_loss_and_join_keep_the_survivor_process(work, procs):
     def paused_at() -> set[str]:
         return {p.read_text() for p in out.glob("paused.r*")} if len(list(out.glob("paused.r*"))) == 2 else set()
     hold.touch()
-    try:
-        a = procs.start(elastic(out, port, run_id, args), work / "a.log")
-        wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
-        # A's first round, alone, is one of the four attempts its process must run: B joins after it
-        wait_for(lambda: any(v["world_size"] == 1 for v in restores(out).values()), 60, "A training alone")
-        b = procs.start(elastic(out, port, run_id, args), work / "b.log")
-        wait_for(lambda: any(v["world_size"] == 2 for v in restores(out).values()), 60, "world 2")
-        grown = max(k[0] for k, v in restores(out).items() if v["world_size"] == 2)
-        hold.unlink()
-        # A held at world size 1 without stepping: the world-2 restore comes before any committed step.
-        wait_for(lambda: committed_steps(out), 60, "a committed step at world size 2")
-        first = max(committed_steps(out))
-        wait_for(lambda: max(committed_steps(out)) >= first + 6, 60, "progress at world size 2")
-        # both ranks wait after the same step, a few steps ahead (a file that appeared between their checks
-        # of one step would stop one of them there, the other in that next step's collective)
-        (work / "pause.new").write_text(str(max(committed_steps(out)) + 3))
-        os.rename(work / "pause.new", pause)
-        wait_for(lambda: len(paused_at()) == 1, 60, "both ranks waiting after the same step")
-        os.killpg(b.pid, signal.SIGKILL)  # node loss: agent and worker
-        b.wait(10)
-        wait_for(lambda: any(k[0] > grown and v["world_size"] == 1 for k, v in restores(out).items()), 60, "world 1")
-        pause.unlink()
-        shrink = max(k[0] for k, v in restores(out).items() if v["world_size"] == 1)
-        wait_for(lambda: max(committed_steps(out)) >= restores(out)[(shrink, 0)]["step"] + 6, 60, "progress at 1")
-        hold.touch()
-        procs.start(elastic(out, port, run_id, args), work / "b2.log")
-        wait_for(lambda: any(k[0] > shrink and v["world_size"] == 2 for k, v in restores(out).items()), 90, "world 2")
-        hold.unlink()
-        assert a.wait(150) == 0, (work / "a.log").read_text()[-3000:]
-    finally:
-        remove_snapshot_dirs(run_id)
+    a = procs.start(elastic(out, port, run_id, args), work / "a.log")
+    wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
+    # A's first round, alone, is one of the four attempts its process must run: B joins after it
+    wait_for(lambda: any(v["world_size"] == 1 for v in restores(out).values()), 60, "A training alone")
+    b = procs.start(elastic(out, port, run_id, args), work / "b.log")
+    wait_for(lambda: any(v["world_size"] == 2 for v in restores(out).values()), 60, "world 2")
+    grown = max(k[0] for k, v in restores(out).items() if v["world_size"] == 2)
+    hold.unlink()
+    # A held at world size 1 without stepping: the world-2 restore comes before any committed step.
+    wait_for(lambda: committed_steps(out), 60, "a committed step at world size 2")
+    first = max(committed_steps(out))
+    wait_for(lambda: max(committed_steps(out)) >= first + 6, 60, "progress at world size 2")
+    # both ranks wait after the same step, a few steps ahead (a file that appeared between their checks
+    # of one step would stop one of them there, the other in that next step's collective)
+    (work / "pause.new").write_text(str(max(committed_steps(out)) + 3))
+    os.rename(work / "pause.new", pause)
+    wait_for(lambda: len(paused_at()) == 1, 60, "both ranks waiting after the same step")
+    os.killpg(b.pid, signal.SIGKILL)  # node loss: agent and worker
+    b.wait(10)
+    wait_for(lambda: any(k[0] > grown and v["world_size"] == 1 for k, v in restores(out).items()), 60, "world 1")
+    pause.unlink()
+    shrink = max(k[0] for k, v in restores(out).items() if v["world_size"] == 1)
+    wait_for(lambda: max(committed_steps(out)) >= restores(out)[(shrink, 0)]["step"] + 6, 60, "progress at 1")
+    hold.touch()
+    procs.start(elastic(out, port, run_id, args), work / "b2.log")
+    wait_for(lambda: any(k[0] > shrink and v["world_size"] == 2 for k, v in restores(out).items()), 90, "world 2")
+    hold.unlink()
+    assert a.wait(150) == 0, (work / "a.log").read_text()[-3000:]
     got = restores(out)
     logs = "\n".join((work / n).read_text()[-1500:] for n in ("a.log", "b.log", "b2.log"))
     a_pid = got[(shrink, 0)]["pid"]
@@ -304,16 +297,13 @@ def test_a_join_lets_the_survivor_finish_its_step_and_leave_at_its_commit(work, 
     run_id = f"reform-join-{uuid.uuid4().hex[:8]}"
     port = free_port()
     args = ["--samples", str(samples), "--epochs", str(epochs), "--sleep", "0.1", "--reform"]
-    try:
-        a = procs.start(elastic(out, port, run_id, args, flags=("--event-log-stdout",)), work / "a.log")
-        wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
-        wait_for(lambda: len(committed_steps(out)) >= 5, 60, "A stepping alone")
-        b = procs.start(elastic(out, port, run_id, args), work / "b.log")
-        wait_for(lambda: any(v["world_size"] == 2 for v in restores(out).values()), 90, "world 2")
-        assert a.wait(150) == 0, (work / "a.log").read_text()[-3000:]
-        assert b.wait(30) == 0, (work / "b.log").read_text()[-3000:]
-    finally:
-        remove_snapshot_dirs(run_id)
+    a = procs.start(elastic(out, port, run_id, args, flags=("--event-log-stdout",)), work / "a.log")
+    wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
+    wait_for(lambda: len(committed_steps(out)) >= 5, 60, "A stepping alone")
+    b = procs.start(elastic(out, port, run_id, args), work / "b.log")
+    wait_for(lambda: any(v["world_size"] == 2 for v in restores(out).values()), 90, "world 2")
+    assert a.wait(150) == 0, (work / "a.log").read_text()[-3000:]
+    assert b.wait(30) == 0, (work / "b.log").read_text()[-3000:]
     got = restores(out)
     logs = "\n".join((work / n).read_text()[-2000:] for n in ("a.log", "b.log"))
     grow = min(k[0] for k, v in got.items() if v["world_size"] == 2)
@@ -338,19 +328,16 @@ def test_a_node_preempted_under_run_leaves_the_survivor_at_its_last_commit(work,
     run_id = f"reform-preempt-{uuid.uuid4().hex[:8]}"
     port = free_port()
     args = ["--samples", str(samples), "--epochs", str(epochs), "--sleep", "0.1", "--reform", "--ckpt", str(ck)]
-    try:
-        a = procs.start(elastic(out, port, run_id, args, flags=("--event-log-stdout",)), work / "a.log")
-        wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
-        b = procs.start(elastic(out, port, run_id, args), work / "b.log")
-        wait_for(lambda: any(v["world_size"] == 2 for v in restores(out).values()), 90, "world 2")
-        two = min(k[0] for k, v in restores(out).items() if v["world_size"] == 2)
-        wait_for(lambda: len([s for s in committed_steps(out).values() if s[0]["attempt"] >= two]) >= 5, 60,
-                 "steps at world size 2")
-        os.kill(b.pid, signal.SIGTERM)
-        assert b.wait(60) == 128 + signal.SIGTERM, (work / "b.log").read_text()[-3000:]  # as torchrun
-        assert a.wait(150) == 0, (work / "a.log").read_text()[-3000:]
-    finally:
-        remove_snapshot_dirs(run_id)
+    a = procs.start(elastic(out, port, run_id, args, flags=("--event-log-stdout",)), work / "a.log")
+    wait_for(lambda: listening(port), 60, "agent A hosting the rendezvous store")
+    b = procs.start(elastic(out, port, run_id, args), work / "b.log")
+    wait_for(lambda: any(v["world_size"] == 2 for v in restores(out).values()), 90, "world 2")
+    two = min(k[0] for k, v in restores(out).items() if v["world_size"] == 2)
+    wait_for(lambda: len([s for s in committed_steps(out).values() if s[0]["attempt"] >= two]) >= 5, 60,
+             "steps at world size 2")
+    os.kill(b.pid, signal.SIGTERM)
+    assert b.wait(60) == 128 + signal.SIGTERM, (work / "b.log").read_text()[-3000:]  # as torchrun
+    assert a.wait(150) == 0, (work / "a.log").read_text()[-3000:]
     got = restores(out)
     logs = "\n".join((work / n).read_text()[-2000:] for n in ("a.log", "b.log"))
     stop = json.loads((out / "preempted.r1.json").read_text())["step"]

@@ -22,7 +22,6 @@ from tests.train.harness import (
     assert_exactly_once,
     committed_steps,
     digests,
-    remove_snapshot_dirs,
     restores,
     wait_for,
 )
@@ -118,8 +117,6 @@ def lose_and_join(work: Path, procs, nodes: int, extra: list[str], node_env: lis
         assert a.wait(180) == 0, (work / "a.log").read_text()[-3000:]
     except AssertionError as e:
         raise AssertionError(f"{e}\n{log_tails(work)}") from None
-    finally:
-        remove_snapshot_dirs(run_id)
     got = restores(out)
     logs = log_tails(work)
     committed = digests(out)
@@ -192,8 +189,6 @@ def test_fsdp_two_nodes_lost_at_once_fall_back_to_disk(work, procs):
         assert a.wait(180) == 0, (work / "a.log").read_text()[-3000:]
     except AssertionError as e:
         raise AssertionError(f"{e}\n{log_tails(work)}") from None
-    finally:
-        remove_snapshot_dirs(run_id)
     log = (work / "a.log").read_text()
     got = restores(out)
     [alone] = [v for v in got.values() if v["world_size"] == 1 and v["source"] is not None]
@@ -245,8 +240,6 @@ def test_hsdp_twins_on_another_node_stand_in_for_copies(work, procs):
         assert a.wait(180) == 0, (work / "a.log").read_text()[-3000:]
     except AssertionError as e:
         raise AssertionError(f"{e}\n{log_tails(work)}") from None
-    finally:
-        remove_snapshot_dirs(run_id)
     got = restores(out)
     logs = log_tails(work)
     assert not list(out.glob("copied.r*.jsonl")), "a copy was made although the twins hold every chunk"
