@@ -193,6 +193,41 @@ def _last_end(logs: dict[tuple[str, Any], ProcessLog], node: str | None, before:
     return best
 
 
+def _alive_in_commit(logs: dict[tuple[str, Any], ProcessLog], victims: list[tuple[str, Any]], at: float,
+                     detected: float) -> float:
+    """``at`` (the victims' last step end), or later when their peers' records prove they lived on.
+
+    Every ``commit()`` of a group of more than one rank makes one all-reduce of its flags, so a step
+    that any rank of the group finished recording was in every rank's commit: a victim (a hung,
+    killed or lost rank) whose own record of that step is missing was stopped after taking part in
+    it (between the all-reduce and its record).  The fault is then at the end of the earliest
+    peer's record of the first step past the victims' last one, before the detection; without it,
+    the peers' whole step (rolled back) counted as the hang's and the victim's as nothing cut short.
+    """
+    last: tuple[int, int] | None = None  # (round, step) of the victims' last recorded step
+    for key in victims:
+        for r in reversed(logs[key].records if key in logs else []):
+            if r.kind == STEP and r.t2 <= detected:
+                last = max(last, (r.round, r.step)) if last else (r.round, r.step)
+                break
+    if last is None:
+        return at
+    later: list[tuple[int, float]] = []
+    for key, plog in logs.items():
+        if key in victims:
+            continue
+        for r in reversed(plog.records):  # from the end: a long job's logs hold many steps before these
+            if r.kind != STEP or r.t2 > detected:
+                continue
+            if r.round != last[0] or r.step <= last[1]:
+                break
+            later.append((r.step, r.t2))
+    if not later:
+        return at
+    first = min(s for s, _ in later)
+    return max(at, min(t2 for s, t2 in later if s == first))
+
+
 def _describe(index: int, rnd: int | None, ends: list[tuple[Node, Group]], lost_in: dict[str, tuple[int, str]],
               nodes: dict[str, Node], logs: dict[tuple[str, Any], ProcessLog]) -> Fault:
     lost = [n for n, g in ends if n.node in lost_in and lost_in[n.node][0] == rnd]
@@ -209,6 +244,7 @@ def _describe(index: int, rnd: int | None, ends: list[tuple[Node, Group]], lost_
         at = max((t for t in (_last_end(logs, n, detected) for n in names) if t is not None), default=None)
         if at is None:
             at = _last_end(logs, None, detected) or min(n.last_seen for n in lost)
+        at = _alive_in_commit(logs, [k for k in logs if k[0] in names], at, detected)
         why = lost_in[names[0]][1]
         label = f"node {', '.join(host(n) for n in names)} lost" + (f" ({why})" if why else "")
         return Fault(index, "node_lost", min(at, detected), detected, label, rnd, names[0])
@@ -232,6 +268,8 @@ def _describe(index: int, rnd: int | None, ends: list[tuple[Node, Group]], lost_
         m = _SILENT_FOR.search(str(e.get("reason", "")))
         if at is None and m:
             at = float(e["ts"]) - float(m[1])
+        if at is not None and run is not None:
+            at = _alive_in_commit(logs, [(n.node, run.pid)], at, detected)
         return Fault(index, "hang", min(at or float(e["ts"]), detected), detected,
                      f"rank {e.get('rank')} hung", rnd, n.node, e.get("rank"))
     if cause is not None and cause[1].get("event") == "worker_failure":
@@ -289,14 +327,15 @@ def _death_moment(node: Node, failure: dict[str, Any], logs: dict[tuple[str, Any
 
 def _crash_moment(node: Node, exit_: dict[str, Any], logs: dict[tuple[str, Any], ProcessLog],
                   detected: float) -> float:
-    """The later of when the worker of ``exit_`` (a ``worker_exit``) was last seen running and the end
-    of its last step record: it died after both (and by ``detected``, which stands in without
-    ``alive_at``)."""
+    """The later of when the worker of ``exit_`` (a ``worker_exit``) was last seen running, the end
+    of its last step record and a peer's record of a later commit (:func:`_alive_in_commit`): it died
+    after all three (and by ``detected``, which stands in without ``alive_at``)."""
     if exit_.get("alive_at") is None:
         return detected
     seen = float(exit_["alive_at"])
     last = _last_end(logs, node.node, detected, exit_.get("pid"))
-    return min(detected, max(seen, last if last is not None else seen))
+    at = min(detected, max(seen, last if last is not None else seen))
+    return _alive_in_commit(logs, [(node.node, exit_.get("pid"))], at, detected)
 
 
 def join_wait(node: Node, nodes: dict[str, Node]) -> float | None:

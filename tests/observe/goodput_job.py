@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import elastrun.train as et
+from elastrun.train.reform import Reform
 
 STEP_SECONDS = float(os.environ.get("STEP_SECONDS", "0.05"))
 
@@ -63,11 +64,15 @@ def main() -> None:
             loss.backward()
             opt.step()
             time.sleep(STEP_SECONDS)
-            entered, before = time.time(), state.step
+            entered, before, ended = time.time(), state.step, False
             try:
                 state.commit()
-            finally:  # a join's pause ends this body at the end of the commit: that step is done all the same
-                if state.step > before:
+                ended = True
+            except Reform:  # raised as the commit's section ended (a join's pause): the step is done all the same
+                ended = True
+                raise
+            finally:  # not a commit whose all-reduce failed (a dead peer): its step counted, then was lost
+                if ended and state.step > before:
                     log("step", n=state.step, t0=began, t1=entered, t2=time.time(), rank=dist.get_rank(),
                         world=dist.get_world_size())
 

@@ -1,8 +1,9 @@
 """What the workers of goodput_job.py saw, from their own logs and the test's fault times.
 
 Independent of elastrun's step records: each worker timed its own steps, commits and restores;
-the test knows when it injected each fault.  Only the moment an agent *knew* of a fault (its
-detection) comes from the event log, because no worker can see it.  See docs/observe.md
+the test knows which processes each fault hit, and a fault is placed at their last sign of life in
+these logs (:func:`_when_it_hit`).  Only the moment an agent *knew* of a fault (its detection) comes
+from the event log, because no worker can see it.  See docs/observe.md
 ("How accurate it is") for what is compared and the tolerance.
 """
 
@@ -55,7 +56,22 @@ def read_truth(truth_dir: Path) -> dict[int, Proc]:
                 p.resumes.append((e["t"], e["t"], int(e["step"])))
     for p in procs.values():
         p.steps.sort(key=lambda s: s[1])
+        _from_the_last_commit(p)
     return procs
+
+
+def _from_the_last_commit(p: Proc) -> None:
+    """Start each step where the process's previous one ended, as elastrun counts a step (docs/observe.md:
+    from the previous ``commit()`` returning): the loop's own work between two steps (goodput_job.py's log
+    line and stop-file check, 0.3-0.4 ms a step) is part of the next.  Not across a resume, whose step
+    starts when the worker's own clock read says (the documented limit: elastrun counts the script's
+    work before its first forward as that step's)."""
+    resumed = [r[0] for r in p.resumes]
+    for i in range(1, len(p.steps)):
+        n, t0, t1, t2 = p.steps[i]
+        prev_n, prev_end = p.steps[i - 1][0], p.steps[i - 1][3]
+        if prev_n == n - 1 and prev_end <= t0 and not any(prev_end <= r <= t0 for r in resumed):
+            p.steps[i] = (n, prev_end, t1, t2)
 
 
 def _redone(procs: dict[int, Proc]) -> list[tuple[int, int, float, float]]:
@@ -95,37 +111,47 @@ def truth(procs: dict[int, Proc], injections: list[Injection], detected: dict[in
     for i, inj in enumerate(injections):
         alive = [p for p in procs.values() if p.steps and p.steps[0][1] < inj.t and _alive_at(p, inj.t)]
         for p in alive:
-            if inj.kind == "join" and any(s[1] <= inj.t < s[3] and (p.pid, s[0], s[1]) not in redone for s in p.steps):
-                continue  # a join's pause waits for the step in progress to commit: nothing was cut short
+            if any(s[1] <= inj.t < s[3] for s in p.steps):
+                # the step in progress ended later (a join's pause waits for its commit; a peer's commit
+                # can end just after a victim's last): kept, it is good, rolled back, redone, counted above
+                continue
             last = max((s[3] for s in p.steps if s[3] <= inj.t), default=inj.t)
             out["redone"] += inj.t - last  # the step the fault cut short
         cause = "hang" if inj.kind == "hang" else "detection"
         # a lost node's slots end with it (docs/observe.md): only the survivors wait for the detection
         waiting = [p for p in alive if not (inj.kind == "node_loss" and p.pid in inj.pids)]
         out[cause] += len(waiting) * max(0.0, detected[i] - inj.t)
-        out[f"fault{i}"] = _fault_cost(procs, inj, alive, redone)
+        out[f"fault{i}"] = _fault_cost(procs, inj, alive, redone, detected[i])
     return out
 
 
 def _when_it_hit(procs: dict[int, Proc], inj: Injection, detected: float) -> Injection:
-    """The injection, at the later of the test's clock reading and its victims' last step end
-    before the fault was ``detected``.
+    """The injection, at its victims' last sign of life in the workers' own logs before it was ``detected``.
 
-    The test reads the clock, then signals.  Under load (two cores shared with other tests) its
-    thread was once descheduled 0.6 s in between, while the victim went on stepping: the truth then
-    counted 0.6 s of steps that the fault later rolled back as the fault's detection, and the check
-    failed on a timing artifact.  A victim's own log bounds the moment from below: it was alive at the
-    end of its last step.
+    That is where docs/observe.md places a fault, and all anyone can know: the end of the victims' last
+    step, or later, the end of the first later step that a peer finished (every ``commit()`` all-reduces
+    its flags over the group, so the victim took part in that one).  What a victim did after that, until
+    the signal landed, no log shows: it counts as the fault's detection or hang on both sides.
 
-    Only steps that ended before the detection bound it.  A hung (SIGSTOPped) victim is woken by its
-    agent with SIGABRT and SIGCONT to dump its stacks, and it can finish the step it was stopped in
-    before it dies: that step ends after the detection, and once moved the injection past it, so the
-    hang's whole window (every slot's wait) was counted as commit and redone steps instead (CI, stop 43).
+    The test's clock reading is not used: the test reads the clock, then signals, and in between the
+    victim goes on stepping (under load its thread was once descheduled 0.6 s there).  Timed by the
+    clock, the yardstick put up to a step per slot per fault (about 1 % of the job in all) under redone
+    that elastrun, which cannot see the signal, put under detection.
+
+    Only steps that ended before the detection count.  A hung (SIGSTOPped) victim is woken by its agent
+    with SIGABRT and SIGCONT to dump its stacks, and it can finish the step it was stopped in before it
+    dies: that step ends after the detection, and once moved the injection past it, so the hang's whole
+    window (every slot's wait) was counted as commit and redone steps instead (CI, stop 43).
     """
     if not inj.pids or inj.kind == "join":
         return inj
-    ends = [s[3] for pid in inj.pids if pid in procs for s in procs[pid].steps if s[3] < detected]
-    return replace(inj, t=max([inj.t, *ends]))
+    ends = [s for pid in inj.pids if pid in procs for s in procs[pid].steps if s[3] < detected]
+    if not ends:
+        return inj
+    n, _, _, at = max(ends, key=lambda s: s[3])
+    later = [s[3] for p in procs.values() if p.pid not in inj.pids for s in p.steps
+             if s[0] == n + 1 and at - 1.0 < s[1] and s[3] < detected]
+    return replace(inj, t=max([at, *later]))
 
 
 def _alive_at(p: Proc, t: float) -> bool:
@@ -135,14 +161,18 @@ def _alive_at(p: Proc, t: float) -> bool:
     return bool(before) and (bool(after) or before[-1][3] > t - 1.0)
 
 
-def _fault_cost(procs: dict[int, Proc], inj: Injection, alive: list[Proc], redone: set) -> float:
-    """Each slot's gap from its last step before the fault to its first step after, plus the steps redone."""
+def _fault_cost(procs: dict[int, Proc], inj: Injection, alive: list[Proc], redone: set, detected: float) -> float:
+    """Each slot's gap from its last step before the fault to its first step after, plus the steps redone.
+
+    A step that began between the fault and its detection is not the slot stepping again: its peers held
+    it up (the test reads its clock, then signals, and a peer can begin its next step in between; counted
+    as the slot's first step after the hang, the hang's 2 s vanished from that slot's cost)."""
     cost = 0.0
     resumes = sorted((r[0], p.pid) for p in procs.values() for r in p.resumes if r[0] > inj.t)
     cutoff = resumes[0][0] if resumes else inj.t
     for p in alive:
         last = max((s[3] for s in p.steps if s[3] <= inj.t), default=inj.t)
-        nxt = [s[1] for s in p.steps if s[1] > inj.t]
+        nxt = [s[1] for s in p.steps if s[1] > max(inj.t, detected)]
         if inj.pids and p.pid in inj.pids and inj.kind == "node_loss":
             cost += inj.t - last
             continue

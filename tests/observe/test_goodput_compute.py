@@ -275,6 +275,26 @@ def cut_off_by_a_peer(*at_b: dict) -> list[dict]:
             on("host-b", 5.7, "round_start", after=0)]
 
 
+def rank_1_hangs(detected: float, formed: float) -> list[dict]:
+    """:func:`two_nodes`, whose rank 1 (host-b, pid 200) is found hung at ``detected`` (its agent kills it
+    with SIGABRT); both nodes form round 1 at ``formed`` (pids 101 and 201), done at 10.0."""
+    events = [*two_nodes(),
+              on("host-b", detected, "hang_detected", round=0, rank=1, local_rank=0, reason="no heartbeat for 2.0 s"),
+              on("host-b", detected + 0.04, "worker_exit", pid=200, local_rank=0, exitcode=None, signal="SIGABRT"),
+              on("host-b", detected + 0.04, "worker_failure", round=0, rank=1, local_rank=0, exitcode=None,
+                 signal="SIGABRT"),
+              on("host-a", detected + 0.05, "restart", round=0, reason="another node asked for a new round"),
+              on("host-b", detected + 0.05, "round_start", after=0),
+              on("host-a", detected + 0.1, "round_start", after=0)]
+    for rank, (node, pid) in enumerate((("host-a", 101), ("host-b", 201))):
+        events += [on(node, formed, "round_closed", round=1, generation=1, world_size=2, members=["host-a", "host-b"]),
+                   on(node, formed, "worker_start", round=1, generation=1, rank=rank, local_rank=0, pid=pid,
+                      start_method="fork"),
+                   on(node, 10.0, "worker_exit", pid=pid, local_rank=0, exitcode=0, signal=None),
+                   on(node, 10.5, "agent_exit", exitcode=0)]
+    return events
+
+
 def test_a_commit_that_a_hung_peer_held_up_is_the_hangs_time_not_commit() -> None:
     """Rank 1 stops (SIGSTOP) after committing step 3 at 5.0; its agent detects the hang at 7.0.
 
@@ -284,18 +304,7 @@ def test_a_commit_that_a_hung_peer_held_up_is_the_hangs_time_not_commit() -> Non
     fault on, both slots wait on the hang: 2 x 2 s of hang, and of rank 0's commit only what lies
     before the fault is commit.  The new group restores step 4, so rank 0's step 4 is kept.
     """
-    events = [*two_nodes(),
-              on("host-b", 7.0, "hang_detected", round=0, rank=1, local_rank=0, reason="no heartbeat for 2.0 s"),
-              on("host-b", 7.04, "worker_exit", pid=200, local_rank=0, exitcode=None, signal="SIGABRT"),
-              on("host-b", 7.04, "worker_failure", round=0, rank=1, local_rank=0, exitcode=None, signal="SIGABRT"),
-              on("host-a", 7.05, "restart", round=0, reason="another node asked for a new round"),
-              on("host-b", 7.05, "round_start", after=0), on("host-a", 7.1, "round_start", after=0)]
-    for rank, (node, pid) in enumerate((("host-a", 101), ("host-b", 201))):
-        events += [on(node, 7.3, "round_closed", round=1, generation=1, world_size=2, members=["host-a", "host-b"]),
-                   on(node, 7.3, "worker_start", round=1, generation=1, rank=rank, local_rank=0, pid=pid,
-                      start_method="fork"),
-                   on(node, 10.0, "worker_exit", pid=pid, local_rank=0, exitcode=0, signal=None),
-                   on(node, 10.5, "agent_exit", exitcode=0)]
+    events = rank_1_hangs(7.0, 7.3)
     before = [restore(0, 1.5, 2.0, None), step(1, 2.0, 2.9, 3.0), step(2, 3.0, 3.9, 4.0)]
     after = [restore(4, 7.5, 7.8, "memory"), step(5, 7.8, 8.7, 8.8), step(6, 8.8, 9.7, 9.8)]
     logs = {("host-a", 100): ProcessLog(100, "host-a", T + 1, [*before, step(3, 4.0, 4.9, 4.99),
@@ -314,6 +323,28 @@ def test_a_commit_that_a_hung_peer_held_up_is_the_hangs_time_not_commit() -> Non
     assert "commit" not in fault.cost
     assert gp.good + sum(gp.badput.values()) == pytest.approx(gp.device_seconds)
     assert gp.wall_good + sum(gp.wall_badput.values()) == pytest.approx(gp.wall)
+
+
+def test_a_hung_rank_that_took_part_in_a_commit_its_peer_recorded_hung_after_it() -> None:
+    """Rank 1's last record is step 3 (ending 5.0), but rank 0 recorded step 4 (5.0 to 5.5): its commit's
+    all-reduce had rank 1 in it, so rank 1 was stopped after that (between the all-reduce and its record), not
+    at 5.0.  The hang runs from 5.5 to its detection (7.5) on both slots; step 4, rolled back by the new
+    group's restore of step 3, is redone on rank 0, and rank 1's 5.0 to 5.5 is the step the hang cut short.
+    """
+    events = rank_1_hangs(7.5, 7.8)
+    before = [restore(0, 1.5, 2.0, None), step(1, 2.0, 2.9, 3.0), step(2, 3.0, 3.9, 4.0), step(3, 4.0, 4.9, 5.0)]
+    after = [restore(3, 8.0, 8.3, "memory"), step(4, 8.3, 9.2, 9.3)]
+    logs = {("host-a", 100): ProcessLog(100, "host-a", T + 1, [*before, step(4, 5.0, 5.4, 5.5)]),
+            ("host-b", 200): ProcessLog(200, "host-b", T + 1, before),
+            ("host-a", 101): ProcessLog(101, "host-a", T + 7.8, after),
+            ("host-b", 201): ProcessLog(201, "host-b", T + 7.8, after)}
+    gp = compute(events, logs)
+    (fault,) = gp.faults
+    assert (fault.kind, fault.at, fault.detected) == ("hang", pytest.approx(T + 5.5, abs=1e-3),
+                                                      pytest.approx(T + 7.5, abs=1e-3))
+    assert gp.badput["hang"] == pytest.approx(2 * 2.0)
+    assert gp.badput["redone"] == pytest.approx(0.5 + 0.5)
+    assert gp.good + sum(gp.badput.values()) == pytest.approx(gp.device_seconds)
 
 
 def three_in_round_one() -> list[dict]:
