@@ -11,6 +11,7 @@ closing to the group's end) and :func:`faults_of` groups every early end across 
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,7 +217,9 @@ def _alive_in_commit(logs: dict[tuple[str, Any], ProcessLog], victims: list[tupl
     for key, plog in logs.items():
         if key in victims:
             continue
-        for r in reversed(plog.records):  # from the end: a long job's logs hold many steps before these
+        records = plog.records  # in time order: start at the detection, not at the end of a long job
+        for i in range(bisect_right(records, detected, key=lambda r: r.end) - 1, -1, -1):
+            r = records[i]
             if r.kind != STEP or r.t2 > detected:
                 continue
             if r.round != last[0] or r.step <= last[1]:
