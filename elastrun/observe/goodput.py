@@ -159,7 +159,9 @@ def _slot_spans(node: Node, slot: int, logs: dict[tuple[str, Any], ProcessLog], 
             add(g.closed, end, "idle", detail="no worker of this slot in the round")
         else:
             add(g.closed, run.start, pre, pre_fault, "starting the workers")
-            stop = run.exit_at if run.ok and run.exit_at is not None else end
+            # a worker that ended well after its group did (pre-empted: it checkpoints, then exits 0) is
+            # counted to the group's end; the node's tail after it is the fault's
+            stop = min(run.exit_at, end) if run.ok and run.exit_at is not None else end
             bases.add(_run_spans(node, g, run, stop, pre, pre_fault, logs, rollbacks, add))
             if stop < end:
                 add(stop, end, "idle", detail="worker done, others still running")

@@ -229,10 +229,10 @@ class State(Reformable):
         """
         entered = time.time()
         with reform.section():
-            self._commit()
+            self._commit(entered)
             self._steplog.step(self.step, entered)  # inside: a re-form raised on leaving must not lose it
 
-    def _commit(self) -> None:
+    def _commit(self, entered: float) -> None:
         core, pipe = self._core, self._pipe
         pipe.settle()
         if self._objects.sampler is not None:
@@ -256,6 +256,7 @@ class State(Reformable):
             pipe.drain()
             pipe.persister.wait()  # the checkpoint the published snapshot queued
             if self.preempted:
+                self._steplog.step(self.step, entered)  # committed and checkpointed: goodput counts it
                 raise SystemExit(0)
         self._objects.remember_live(rng_state, core.world_size)
         # Some rank is asked to pause (a join), or was pre-empted and exits: the others leave here, in step.

@@ -396,6 +396,66 @@ def test_a_join_that_waited_for_its_nodes_imports_counts_the_wait_as_start_up_no
     assert mine == {"startup": pytest.approx(1.7), "idle": pytest.approx(0.4), "rendezvous": pytest.approx(0.3)}
 
 
+def a_node_joins_and_is_preempted(node: str, agent_pid: int, at: float, rnd: int) -> tuple[list[dict], dict]:
+    """``node`` starts at ``at``, joins nodes a and b in round ``rnd`` (from ``at`` + 0.7), steps until
+    ``at`` + 2.98 and is pre-empted at ``at`` + 3.0 (SIGTERM: its worker exits 0, its agent 143); a and b
+    re-form without it in round ``rnd`` + 1 (from ``at`` + 3.4).  Its events and everyone's records."""
+    members = ["host-a", "host-b", node]
+    events = [on(node, at, "agent_start", run_id="job", nproc=1, pid=agent_pid, hostname=node),
+              on(node, at + 0.1, "round_start"),
+              on(node, at + 3.0, "signal", signal="SIGTERM", action="forward", grace=20.0),
+              on(node, at + 3.05, "worker_exit", pid=agent_pid * 100, local_rank=0, exitcode=0, signal=None),
+              on(node, at + 3.1, "agent_exit", exitcode=143, reason="stopped by SIGTERM")]
+    for survivor in ("host-a", "host-b"):
+        events += [on(survivor, at + 0.5, "nodes_waiting", round=rnd - 1, count=1),
+                   on(survivor, at + 0.5, "restart", round=rnd - 1, reason="1 node(s) waiting to join"),
+                   on(survivor, at + 0.55, "round_start", after=rnd - 1),
+                   on(survivor, at + 3.2, "node_lost", round=rnd + 1, lost=[node], causes={node: "left"}),
+                   on(survivor, at + 3.2, "restart", round=rnd, reason=f"node(s) lost: {node}"),
+                   on(survivor, at + 3.25, "round_start", after=rnd)]
+    for r, world, names in ((rnd, 3, members), (rnd + 1, 2, members[:2])):
+        for rank, name in enumerate(names):
+            began = at + (0.7 if r == rnd else 3.4)
+            events += [on(name, began, "round_closed", round=r, generation=r, world_size=world, members=names),
+                       on(name, began, "worker_start", round=r, generation=r, rank=rank, local_rank=0,
+                          pid=(agent_pid if name == node else rank + 1) * 100 + r, start_method="fork")]
+    first = 10 * rnd  # the job's step count goes on from group to group
+    steps = [restore(first, at + 0.7, at + 0.8, "live"),
+             *(step(first + n, at + 0.3 + 0.5 * n, at + 0.7 + 0.5 * n, at + 0.8 + 0.5 * n) for n in range(1, 5))]
+    last = step(first + 5, at + 2.8, at + 2.95, at + 3.03)  # its commit saw the SIGTERM and wrote a checkpoint
+    logs = {(name, (agent_pid if name == node else rank + 1) * 100 + rnd):
+            ProcessLog(0, name, T + at, [*steps, last]) for rank, name in enumerate(members)}
+    return events, logs
+
+
+def test_each_preempted_node_is_a_fault_of_its_own_and_its_training_is_kept() -> None:
+    """Nodes c and d join nodes a and b in turn and are each pre-empted 3 s later (SIGTERM).  Two
+    pre-emptions, two faults, each named after its node and its signal; each pre-empted node's steps
+    are goodput up to the signal, and its slot's restart is the 0.1 s from the signal to its agent's
+    exit, not also the moment its worker took to exit after that (once, every pre-emption of a job was
+    one fault, timed at the first: the later nodes' whole training counted as its restart)."""
+    events = two_nodes()
+    logs = {(node, pid): ProcessLog(pid, node, T + 1, []) for node, pid in (("host-a", 100), ("host-b", 200))}
+    for node, pid, at, rnd in (("host-c", 3, 1.5, 1), ("host-d", 4, 6.0, 3)):
+        more, more_logs = a_node_joins_and_is_preempted(node, pid, at, rnd)
+        events += more
+        logs.update(more_logs)
+    for rank, node in enumerate(("host-a", "host-b")):
+        events += [on(node, 11.0, "worker_exit", pid=(rank + 1) * 100 + 4, local_rank=0, exitcode=0, signal=None),
+                   on(node, 11.5, "agent_exit", exitcode=0)]
+    gp = compute(events, logs)
+    assert [f.label for f in gp.faults] == ["1 node(s) joined", "node host-c (pid 3) left (SIGTERM received)",
+                                            "1 node(s) joined", "node host-d (pid 4) left (SIGTERM received)"]
+    for node in ("host-c", "host-d"):
+        mine: dict[str, float] = {}
+        for span in gp.spans:
+            if span.node == node:
+                mine[span.cause] = mine.get(span.cause, 0.0) + span.end - span.start - span.inner
+        assert mine["good"] == pytest.approx(4 * 0.4 + 0.15), (node, mine)
+        assert mine["restart"] == pytest.approx(0.1), (node, mine)
+    assert gp.good + sum(gp.badput.values()) == pytest.approx(gp.device_seconds)
+
+
 def test_the_snapshot_spacing_chosen_on_a_gpu_is_in_the_breakdown_and_changes_nothing_else(tmp_path) -> None:
     """A worker whose snapshots were spaced by their cost (``SPACING`` records, written by the real
     writer) gets a line in the breakdown; the records count for no time and split no span."""

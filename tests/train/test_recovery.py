@@ -10,6 +10,8 @@ import uuid
 
 import pytest
 
+from elastrun.shared import steplog
+from elastrun.shared.steplog import STEP
 from tests.harness import free_port, listening
 from tests.train.harness import (
     assert_exactly_once,
@@ -89,7 +91,8 @@ def test_preemption_checkpoints_and_restores_from_disk(work, procs, uninterrupte
     first, second = work / "first", work / "second"
     for d in (first, second):
         d.mkdir()
-    agent = procs.start(standalone(first, ["--ckpt", str(ck), "--every", "5", "--sleep", "0.25"]), work / "first.log")
+    agent = procs.start(standalone(first, ["--ckpt", str(ck), "--every", "5", "--sleep", "0.25"],
+                                   flags=(f"--log-dir={work / 'logs'}",)), work / "first.log")
     wait_for(lambda: len(committed_steps(first)) >= 7, 60, "7 steps")
     os.kill(agent.pid, signal.SIGTERM)
     agent.wait(60)
@@ -99,6 +102,10 @@ def test_preemption_checkpoints_and_restores_from_disk(work, procs, uninterrupte
     stop = stops[0]
     assert (ck / f"step-{stop:012d}" / "manifest.json").exists(), sorted(p.name for p in ck.iterdir())
     assert "Traceback" not in log, log[-3000:]
+    # each rank's step log ends with that step (goodput counts it: it is committed and checkpointed)
+    logs = steplog.read_dirs([work / "logs"]).values()
+    last = {p.pid: max(r.step for r in p.records if r.kind == STEP) for p in logs}
+    assert sorted(last.values()) == [stop, stop], last
 
     rc = procs.run(standalone(second, ["--ckpt", str(ck), "--every", "5"]), work / "second.log")
     assert rc == 0, (work / "second.log").read_text()[-3000:]
