@@ -6,7 +6,8 @@ Each process appends JSON lines to ``$TRUTH_DIR/<pid>.jsonl``, written with its 
 independent of elastrun's step records: ``proc`` (process creation, from /proc), ``ready`` (model
 built, before the restore), ``restore`` (plain mode: start, end, source, step), ``enter`` (the
 training body starts: after the restore), and ``step`` (n, start, commit entered, commit returned; also
-when the commit ends the body with a re-form, as a join's pause does at the end of a commit).
+when the commit ends the body with a re-form, as a join's pause does at the end of a commit, or ends a
+pre-empted rank after its checkpoint).
 Each line is flushed at once, so a SIGKILLed worker loses none.
 
 The job runs until ``$STOP_FILE`` names a step count (written by the test), then finishes at it.
@@ -68,8 +69,8 @@ def main() -> None:
             try:
                 state.commit()
                 ended = True
-            except Reform:  # raised as the commit's section ended (a join's pause): the step is done all the same
-                ended = True
+            except (Reform, SystemExit):  # raised as the commit ended (a join's pause; a pre-empted rank's exit
+                ended = True                # after its checkpoint): the step is done all the same
                 raise
             finally:  # not a commit whose all-reduce failed (a dead peer): its step counted, then was lost
                 if ended and state.step > before:

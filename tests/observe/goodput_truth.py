@@ -13,10 +13,14 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+#: Faults after which the victims' node is gone: its slots end with it.
+_NODE_GONE = ("node_loss", "preemption")
+
 
 @dataclass
 class Injection:
-    """A fault the test caused: ``kind`` (crash, hang, node_loss, join), when, and the worker pids it hit.
+    """A fault the test caused: ``kind`` (crash, hang, node_loss, join, preemption), when, and the worker
+    pids it hit.
 
     ``joined``, for a join: when the joining node's first round formed (from the event log, like
     the detection: no worker exists yet to see it).  Once the running group knows of the join, the
@@ -118,8 +122,9 @@ def truth(procs: dict[int, Proc], injections: list[Injection], detected: dict[in
             last = max((s[3] for s in p.steps if s[3] <= inj.t), default=inj.t)
             out["redone"] += inj.t - last  # the step the fault cut short
         cause = "hang" if inj.kind == "hang" else "detection"
-        # a lost node's slots end with it (docs/observe.md): only the survivors wait for the detection
-        waiting = [p for p in alive if not (inj.kind == "node_loss" and p.pid in inj.pids)]
+        # a lost (or pre-empted) node's slots end with it (docs/observe.md): only the survivors wait for the
+        # detection
+        waiting = [p for p in alive if not (inj.kind in _NODE_GONE and p.pid in inj.pids)]
         out[cause] += len(waiting) * max(0.0, detected[i] - inj.t)
         out[f"fault{i}"] = _fault_cost(procs, inj, alive, redone, detected[i])
     return out
@@ -173,7 +178,7 @@ def _fault_cost(procs: dict[int, Proc], inj: Injection, alive: list[Proc], redon
     for p in alive:
         last = max((s[3] for s in p.steps if s[3] <= inj.t), default=inj.t)
         nxt = [s[1] for s in p.steps if s[1] > max(inj.t, detected)]
-        if inj.pids and p.pid in inj.pids and inj.kind == "node_loss":
+        if inj.pids and p.pid in inj.pids and inj.kind in _NODE_GONE:
             cost += inj.t - last
             continue
         if nxt:  # the same process steps again (kept, et.run)

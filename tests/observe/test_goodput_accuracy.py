@@ -1,8 +1,9 @@
-"""Goodput is right, and shown: a job with a worker SIGKILL, a join, a hang and a node loss.
+"""Goodput is right, and shown: a job with a worker SIGKILL, a join, a hang, a node loss and a pre-emption.
 
 The job (goodput_job.py, 1 worker per node on loopback c10d) starts on nodes A and B, then: rank 1
 is SIGKILLed; node C joins; C's worker is SIGSTOPped (a hang, --hang-timeout 2); node B's agent
-and worker are SIGKILLed (a lost node); the job then finishes.  The workers time their own steps,
+and worker are SIGKILLed (a lost node); node D joins and is pre-empted (SIGTERM to its agent: its
+worker checkpoints and exits); the job then finishes.  The workers time their own steps,
 commits and restores; ``elastrun goodput`` computes the same quantities from the agents' events
 and elastrun.train's step records.  Each must agree within TOLERANCE of the job's worker-seconds
 (docs/observe.md, "How accurate it is").  Once with ``et.run`` (kept processes) and once with the
@@ -46,6 +47,8 @@ TOLERANCE = 0.02
 #: Seconds of steady stepping between faults (every rank stepping again, then this long).
 SETTLE = 1.5
 _DETECTIONS = ("worker_failure", "hang_detected", "restart", "nodes_waiting")
+#: The faults the job has, in order, by elastrun's kinds (the pre-emption: a node that left).
+KINDS = ["worker_failure", "join", "hang", "node_lost", "join", "node_lost"]
 
 
 class Job:
@@ -124,6 +127,15 @@ class Job:
         doomed = [b.pid, *b.descendants()]
         self._inject("node_loss", [p for p in doomed if p != b.pid], lambda: _kill_all(doomed))
         self.settle(2, self.injections[-1].t, "recovery from the node loss")
+        # 5. another join, node D, then D is pre-empted: SIGTERM to its agent (its worker checkpoints and exits)
+        launched = time.time()
+        d = self.cluster.start(self.flags(), [str(JOB)], env=self.env, name="d")
+        self.injections.append(Injection("join", launched))
+        self.settle(3, launched, "D joined")
+        gone = self.worker_of(d)
+        self._inject("preemption", [gone], lambda: os.kill(d.pid, signal.SIGTERM))
+        self.settle(2, self.injections[-1].t, "recovery from the pre-emption")
+        assert d.wait(60) == 128 + signal.SIGTERM, self.cluster.outputs()
         final = max(e["n"] for e in self.steps()) + 20
         tmp = self.stop.with_suffix(".tmp")
         tmp.write_text(str(final))
@@ -204,7 +216,7 @@ def _compare(job: Job) -> tuple[dict[str, tuple[float, float]], float]:
     for i, inj in enumerate(job.injections):
         fault = next((f for f in gp.faults if abs(f.detected - job.detections()[i]) < 1.0), None)
         assert fault is not None, f"no fault found for the {inj.kind} at {inj.t}: {[f.label for f in gp.faults]}"
-        pairs[f"{inj.kind} (fault cost)"] = (fault.total, seen[f"fault{i}"])
+        pairs[f"{inj.kind} {i + 1} (fault cost)"] = (fault.total, seen[f"fault{i}"])
     return pairs, gp.device_seconds
 
 
@@ -224,9 +236,10 @@ def faults_seen(job: Job) -> str:
 def test_goodput_and_each_cause_match_what_the_workers_saw(job: Job) -> None:
     pairs, total = _compare(job)
     gp = load(job.log_dir)
-    assert len(gp.faults) == 4, faults_seen(job)
+    assert len(gp.faults) == len(KINDS), faults_seen(job)
     kinds = [f.kind for f in gp.faults]
-    assert kinds == ["worker_failure", "join", "hang", "node_lost"], kinds
+    assert kinds == KINDS, kinds
+    assert gp.faults[-1].label.endswith("left (SIGTERM received)"), gp.faults[-1].label
     report = "\n".join(f"{k:24s} computed {c:8.2f}  workers saw {t:8.2f}  error {100 * abs(c - t) / total:5.2f} %"
                        for k, (c, t) in pairs.items())
     print(f"\n{job.env['MODE']}: {total:.1f} worker-s, goodput {100 * (gp.ratio or 0):.1f} %\n{report}")
@@ -248,10 +261,10 @@ def test_the_cli_prints_the_breakdown_and_json(job: Job) -> None:
     cmd = [sys.executable, "-m", "elastrun", "goodput", str(job.log_dir)]
     text = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=base_env())
     assert text.returncode == 0, text.stderr
-    assert "goodput:" in text.stdout and "fault 4 at" in text.stdout, text.stdout
+    assert "goodput:" in text.stdout and f"fault {len(KINDS)} at" in text.stdout, text.stdout
     doc = json.loads(subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60,
                                     env=base_env()).stdout)
-    assert [f["kind"] for f in doc["faults"]] == ["worker_failure", "join", "hang", "node_lost"], faults_seen(job)
+    assert [f["kind"] for f in doc["faults"]] == KINDS, faults_seen(job)
     assert doc["basis"] == "steps"
     assert 0 < doc["goodput_ratio"] < 1
     parts = doc["goodput_seconds"] + sum(doc["badput_seconds"].values())
@@ -286,7 +299,7 @@ def test_the_timeline_page_works_in_a_real_browser(job: Job, tmp_path: Path) -> 
         expected = spans[0].get_attribute("data-tip")
         assert tip.text.split() == expected.split() and " s to " in tip.text and "goodput" in tip.text, tip.text
         rows = driver.find_elements(By.CSS_SELECTOR, "#faults tr.fault")
-        assert len(rows) == len(gp.faults) == 4, faults_seen(job)
+        assert len(rows) == len(gp.faults) == len(KINDS), faults_seen(job)
         for row, fault in zip(rows, gp.faults, strict=True):
             assert fault.label in row.text and f"{fault.total:.1f}" in row.text, row.text
         assert gp.faults and driver.find_element(By.CSS_SELECTOR, "p.goodput").text.startswith("goodput ")
