@@ -263,10 +263,10 @@ def _describe(index: int, rnd: int | None, ends: list[tuple[Node, Group]], lost_
         at = _alive_in_commit(logs, [k for k in logs if k[0] in names], at, detected)
         why = lost_in[names[0]][1]
         # a node that left on a signal (pre-empted: its agent got SIGTERM) says so
-        signal = next((str(e["signal"]) for n in lost for e in n.events if e.get("event") == "signal"
-                       and e.get("signal") and float(e["ts"]) <= detected), None)
+        stopped_by = next((str(e["signal"]) for n in lost for e in n.events if e.get("event") == "signal"
+                           and e.get("signal") and float(e["ts"]) <= detected), None)
         hosts = ", ".join(host(n) for n in names)
-        label = (f"node {hosts} left ({signal} received)" if signal else
+        label = (f"node {hosts} left ({stopped_by} received)" if stopped_by else
                  f"node {hosts} lost" + (f" ({why})" if why else ""))
         return Fault(index, "node_lost", min(at, detected), detected, label, rnd, names[0])
     ordered = sorted(window, key=lambda ne: ne[1]["ts"])
