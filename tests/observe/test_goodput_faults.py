@@ -286,3 +286,21 @@ def test_a_killed_worker_found_dead_as_its_group_ended_is_named_as_the_fault() -
     assert (fault.kind, fault.label, fault.node, fault.rank) == ("worker_failure", "rank 1 killed by SIGKILL",
                                                                  "host-b", 1)
     assert fault.at == pytest.approx(T + 5.01, abs=0.005)
+
+
+def test_a_whole_job_preempted_at_once_is_one_fault() -> None:
+    """Both nodes get SIGTERM at 5.2 s, inside step 8 (a SLURM pre-emption of the whole job): each worker
+    ends that step with a checkpoint (5.5 s) and exits 0, each agent exits 143 at 5.6 s.  No node is left
+    to re-form, so no round follows: the two ends are one fault, of the signal, and each slot's time from
+    the signal to its agent's exit (0.4 s) is that fault's."""
+    events = two_nodes()
+    logs = {}
+    for node, pid in (("host-a", 100), ("host-b", 200)):
+        events += [on(node, 5.2, "signal", signal="SIGTERM", action="forward", grace=20.0),
+                   on(node, 5.55, "worker_exit", pid=pid, local_rank=0, exitcode=0, signal=None),
+                   on(node, 5.6, "agent_exit", exitcode=143, reason="stopped by SIGTERM")]
+        logs[(node, pid)] = ProcessLog(pid, node, T + 1, [*STEPS_TO_5, step(8, 5.0, 5.4, 5.5)])
+    gp = compute(events, logs)
+    assert [(f.kind, f.label) for f in gp.faults] == [("signal", "SIGTERM received")]
+    assert gp.badput["restart"] == pytest.approx(2 * 0.4)
+    assert gp.good + sum(gp.badput.values()) == pytest.approx(gp.device_seconds)
