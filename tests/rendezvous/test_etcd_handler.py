@@ -104,6 +104,62 @@ def test_each_agent_watches_only_what_it_acts_on():
                 h.close()
 
 
+@needs_etcd
+def test_a_closer_sees_the_joins_that_came_while_it_woke_the_running_members(monkeypatch):
+    """Node C opens round 1 (its earliest join: the closer) with too few joined to close.  Before its next
+    request (waking round 0's members, ``r0/next/member``) returns, A and B join.  Their joins are not in
+    the read that made C the closer; its watch of the joins must still see them.  It started at the
+    client's latest revision, past both joins, and C waited for its safety-net re-check with every node
+    joined (2 s; here made 60 s, so that only the watch can close the round in time)."""
+    from elastrun.rendezvous.etcd import joining
+
+    monkeypatch.setattr(joining, "_RECHECK", 60.0)
+    with EtcdCluster(1) as cluster:
+        handlers = [create_handler(RendezvousParameters("etcd", cluster.endpoints, "closer-watch", 2, 3,
+                                                        config={"join_timeout": "30"})) for _ in range(3)]
+        infos = [NodeInfo(f"n{i}", "127.0.0.1", 1) for i in range(3)]
+        results: dict[tuple[int, int], object] = {}
+        errors: list[BaseException] = []
+
+        def join(i: int, round_: int) -> threading.Thread:
+            def body() -> None:
+                try:
+                    results[(round_, i)] = handlers[i].next_round(infos[i])
+                except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
+                    errors.append(exc)
+
+            thread = threading.Thread(target=body, daemon=True)
+            thread.start()
+            return thread
+
+        try:
+            for thread in [join(i, 0) for i in range(3)]:
+                thread.join(30)
+            assert len(results) == 3 and not errors, (results, errors)
+            a, b, c = handlers
+            real_raise = c._raise_flag
+            others: list[threading.Thread] = []
+
+            def the_others_join_first(key: str, deadline: float) -> None:
+                others.extend([join(0, 1), join(1, 1)])
+                waited = time.monotonic() + 20
+                while len([k for k in cluster.list_keys() if "/r1/join/" in k]) < 3 and time.monotonic() < waited:
+                    time.sleep(0.01)
+                real_raise(key, deadline)
+
+            c._raise_flag = the_others_join_first
+            began = time.monotonic()
+            join(2, 1).join(40)
+            for thread in others:  # started by C's wrapped request: known once C returned
+                thread.join(40)
+            assert not errors, errors
+            assert {results[(1, i)].round for i in range(3)} == {1}, results
+            assert time.monotonic() - began < 30, "round 1 closed only at the joiners' re-check"
+        finally:
+            for h in handlers:
+                h.close()
+
+
 def _count_requests(monkeypatch) -> collections.Counter:
     """Count the requests this process's etcd clients send, by path and outcome (observes, changes nothing)."""
     from elastrun.rendezvous.etcd.client import EtcdClient, LeaseNotFound

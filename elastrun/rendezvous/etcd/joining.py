@@ -35,12 +35,13 @@ _RECHECK = 2.0
 @dataclasses.dataclass
 class _Look:
     """One read of a round's state (one request): its result, its earliest join (as a one-element
-    list), how many joined, and whether this node's join key is there."""
+    list), how many joined, whether this node's join key is there, and the store's revision then."""
 
     result: KV | None
     first: list[KV]
     joined: int
     mine: bool
+    revision: int
 
 
 class Joining(HandlerBase):
@@ -191,12 +192,12 @@ class Joining(HandlerBase):
                 found = self._open(seen.result)
                 if found is not None:
                     return self._closed_round(round_, found)
-                first, joined, mine = seen.first, seen.joined, seen.mine
+                first, joined, mine, since = seen.first, seen.joined, seen.mine, seen.revision + 1
                 seen = None
                 if not mine:
                     raise Reregister()  # our join key vanished (lease expired)
                 closer = bool(first) and first[0].key == join_prefix + me
-                self._watch_as_closer(round_, closer)
+                self._watch_as_closer(round_, closer, since)
                 if closer:
                     if joined >= self.min_nodes and min_reached is None:
                         min_reached = now
@@ -258,7 +259,7 @@ class Joining(HandlerBase):
 
     def _closed_round(self, round_: int, found: str) -> dict:
         """The result document of ``round_`` (authentic text ``found``); a job ended by it fails here."""
-        self._watch_as_closer(round_, False)
+        self._watch_as_closer(round_, False, 0)
         doc = decode_result(found)
         if doc.get("abort"):
             raise JobFailedError("the job was ended", doc["abort"], int(doc.get("abort_code", 1)),
@@ -266,16 +267,23 @@ class Joining(HandlerBase):
         return doc
 
 
-    def _watch_as_closer(self, round_: int, closer: bool) -> None:
+    def _watch_as_closer(self, round_: int, closer: bool, since: int) -> None:
         """The closer alone watches the round's joins and the previous round's keys (to count who is
-        accounted for); the other joiners re-check every ``_RECHECK`` s in case the closer dies."""
+        accounted for); the other joiners re-check every ``_RECHECK`` s in case the closer dies.
+
+        The watches start right after the read (``since``) that made this node the closer, not at the
+        client's latest revision: a join's other requests (waking the running members) come between
+        that read and this call, and the joins that landed meanwhile would be neither in that read nor
+        on the watch.  The closer then waited for the re-check (2 s) with every node joined: one
+        re-formation in an etcd soak's 24 lost nodes.
+        """
         assert self._watch is not None
         if closer:
             join_prefix = self._r(round_, "join/")
-            self._watch.watch("joins", join_prefix, prefix_end(join_prefix), self._kv.revision + 1)
+            self._watch.watch("joins", join_prefix, prefix_end(join_prefix), since)
             if round_ > 0:
                 prev = self._r(round_ - 1, "")
-                self._watch.watch("prev", prev, prefix_end(prev), self._kv.revision + 1)
+                self._watch.watch("prev", prev, prefix_end(prev), since)
         else:
             self._watch.unwatch("joins")
             self._watch.unwatch("prev")
@@ -295,11 +303,12 @@ class Joining(HandlerBase):
                         limit=1),
                op_range(join_prefix + self._node.node_id, keys_only=True)]
         _, reads = self._kv.txn_reads([], [write, *ops] if write is not None else ops)
+        revision = self._kv.revision  # this read's (requests on this client are sequential and ordered)
         result, (first, joined), (mine, _) = reads[-3:]
         if first and self._auth.enabled and self._open(first[0]) is None:
             every, _ = self._kv.range(join_prefix, prefix_end(join_prefix), by_create=True)
             first = self._authentic(every)[:1]
-        return _Look(first_kv(result), first, joined, bool(mine))
+        return _Look(first_kv(result), first, joined, bool(mine), revision)
 
 
     def _round_result(self, round_: int, doc: dict, cursor: int, deadline: float) -> RoundResult | None:
