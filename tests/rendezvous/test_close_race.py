@@ -18,6 +18,7 @@ import pytest
 from elastrun.rendezvous.api import NodeInfo, RendezvousParameters
 from elastrun.rendezvous.c10d import create_handler
 from tests.harness import free_port
+from tests.rendezvous.joins import Joins
 
 pytestmark = pytest.mark.contract
 
@@ -31,19 +32,8 @@ def test_a_member_rejoining_between_the_closer_s_reads_is_admitted(monkeypatch):
                 for i in range(3)]
     a, b, c = handlers
     infos = [NodeInfo(f"n{i}", "127.0.0.1", 1, hostname=f"h{i}") for i in range(3)]
-    results: dict[tuple[int, int], object] = {}
-    errors: list[BaseException] = []
-
-    def join(i: int, round_: int) -> threading.Thread:
-        def body() -> None:
-            try:
-                results[(round_, i)] = handlers[i].next_round(infos[i])
-            except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
-                errors.append(exc)
-
-        t = threading.Thread(target=body, daemon=True)
-        t.start()
-        return t
+    joins = Joins(handlers, infos)
+    join, results, errors = joins.start, joins.results, joins.errors
 
     threads: list[threading.Thread] = []
     try:

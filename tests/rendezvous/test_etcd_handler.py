@@ -12,6 +12,7 @@ import pytest
 from elastrun.rendezvous.api import FailureRecord, NodeInfo, RendezvousConfigError, RendezvousParameters
 from elastrun.rendezvous.etcd import create_handler, parse_config
 from tests.rendezvous.etcd_cluster import EtcdCluster, etcd_available
+from tests.rendezvous.joins import Joins
 
 pytestmark = pytest.mark.e2e
 
@@ -118,19 +119,8 @@ def test_a_closer_sees_the_joins_that_came_while_it_woke_the_running_members(mon
         handlers = [create_handler(RendezvousParameters("etcd", cluster.endpoints, "closer-watch", 2, 3,
                                                         config={"join_timeout": "30"})) for _ in range(3)]
         infos = [NodeInfo(f"n{i}", "127.0.0.1", 1) for i in range(3)]
-        results: dict[tuple[int, int], object] = {}
-        errors: list[BaseException] = []
-
-        def join(i: int, round_: int) -> threading.Thread:
-            def body() -> None:
-                try:
-                    results[(round_, i)] = handlers[i].next_round(infos[i])
-                except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
-                    errors.append(exc)
-
-            thread = threading.Thread(target=body, daemon=True)
-            thread.start()
-            return thread
+        joins = Joins(handlers, infos)
+        join, results, errors = joins.start, joins.results, joins.errors
 
         try:
             for thread in [join(i, 0) for i in range(3)]:
