@@ -5,7 +5,8 @@ could leak sampled, and the slope of each reported (target: flat).
         --report docs/soak.md --plot docs/soak-c10d.png
 
 The job is the chaos trainer (``tests/chaos/trainer.py``, a small MLP with ``elastrun.train``,
-through ``et.run`` unless ``--plain``) under real agents (``--nnodes=3:4``, one worker each, the
+through ``et.run`` unless ``--plain``; with ``--sharded`` its model is sharded by FSDP2, so every
+rank snapshots its own shard and every restore reshards) under real agents (``--nnodes=3:4``, one worker each, the
 warm pool, default flags otherwise), on c10d or on a 3-member etcd cluster on loopback.  Nodes 0
 and 1 are never removed (node 0 hosts the c10d store), so their agents live the whole run; nodes 2
 and 3 churn.  Every 15-30 s (``--change-every``) one membership change, drawn at random:
@@ -61,6 +62,7 @@ class Soak:
         self.args = args
         self.rng = random.Random(args.seed)
         spec = JobSpec(backend=args.backend, seed=args.seed, nodes=4, min_nodes=3, reform=not args.plain,
+                       sharded=args.sharded,
                        samples=args.samples, pace=args.pace, fault_timeout=120.0, end_timeout=180.0,
                        stall_after=args.stall_after)
         self.job = ChaosJob(spec)
@@ -342,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=192)
     p.add_argument("--pace", type=float, default=0.1, help="seconds each step sleeps (default 0.1)")
     p.add_argument("--plain", action="store_true", help="the plain training loop instead of et.run")
+    p.add_argument("--sharded", action="store_true", help="the model sharded with FSDP2 (fully_shard)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--stall-after", type=float, default=30.0,
                    help="seconds without a committed step that make a stall, a failure (default 30)")
@@ -367,13 +370,14 @@ def main(argv: list[str] | None = None) -> int:
               for x in data["series"]}
     span_end = max((pt[0] for s in series.values() for pt in s.points), default=0.0)
     rows = analyse(series, a.warmup, span_end - 30, set(data["full"])) if series else []
-    title = f"elastrun soak, {a.backend}{' plain loop' if a.plain else ' et.run'}, {data['wall'] / 60:.0f} min"
+    title = (f"elastrun soak, {a.backend}{' plain loop' if a.plain else ' et.run'}{', FSDP2' if a.sharded else ''}, "
+             f"{data['wall'] / 60:.0f} min")
     if a.plot:
         plot(series, data["changes"], a.warmup, Path(a.plot), title)
     text = render(a, data, rows, a.plot)
     print(text)
     if a.report:
-        write_section(Path(a.report), a.backend, text)
+        write_section(Path(a.report), f"{a.backend}-fsdp2" if a.sharded else a.backend, text)
     if a.runs:
         add_run(Path(a.runs), a, data)
     ok = all(c["ok"] for c in data["outcome"]["checks"]) and all(r["flat"] for r in rows)

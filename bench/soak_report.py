@@ -167,7 +167,8 @@ def render(args: argparse.Namespace, data: dict[str, Any], rows: list[dict[str, 
     bad = [r for r in rows if not r["flat"]]
     checks = outcome["checks"]
     lines = [
-        f"### {args.backend}{' (plain loop)' if args.plain else ' (et.run)'}: {wall / 60:.1f} min, "
+        f"### {args.backend}{' (plain loop' if args.plain else ' (et.run'}{', FSDP2)' if args.sharded else ')'}: "
+        f"{wall / 60:.1f} min, "
         f"{outcome['rounds']} rounds, {len(changes)} changes",
         "",
         f"`{data['command']}` on {data['date']}; "
@@ -224,7 +225,8 @@ def run_row(args: argparse.Namespace, data: dict[str, Any]) -> str:
     outcome = data["outcome"]
     bad = [c["name"] for c in outcome["checks"] if not c["ok"]]
     loads = data["loads"] or [0.0]
-    return (f"| {data['date']} | {data.get('commit', '?')} | {args.backend}{' plain' if args.plain else ''} | "
+    return (f"| {data['date']} | {data.get('commit', '?')} | {args.backend}{' plain' if args.plain else ''}"
+            f"{' FSDP2' if args.sharded else ''} | "
             f"{args.seed} | {data['wall'] / 60:.1f} | {len(data['changes'])} | {outcome['rounds']} | "
             f"{outcome['steps']} | {outcome.get('stalls', '?')} | {outcome.get('longest_gap', 0.0):.1f} s | "
             f"{len(bad)}{' (' + ', '.join(bad) + ')' if bad else ''} | {outcome['codes']} | "

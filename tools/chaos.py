@@ -5,7 +5,9 @@ namespaces when root), every invariant checked after each job, and a report writ
 
 Jobs rotate c10d → etcd → etcd in namespaces (root only), and alternate between the plain
 training loop (every worker restarted after a change) and ``et.run`` (survivors re-form in their
-process), so that every backend runs both and half of the faults hit ``et.run`` jobs.  Each job
+process), so that every backend runs both and half of the faults hit ``et.run`` jobs.  Once every
+backend has run with both trainers, the rotation starts again with the model sharded by FSDP2
+(every rank snapshots its shard, each restore reshards it), and so on, alternating.  Each job
 takes ``--faults-per-job`` faults until ``--faults`` are injected or ``--max-minutes`` would be
 exceeded (the report then says how many fitted).  Exit code 0 when every invariant held, 1 otherwise.
 
@@ -41,21 +43,24 @@ LOOPBACK_KINDS = ("worker_kill", "worker_exit", "worker_hang", "agent_kill", "ag
 
 def job_specs(seed: int, per_job: int, netns: bool):
     """An endless rotation of job specs with distinct seeds: backends in turn, trainers alternating
-    so that each backend runs both (with an even number of backends, the pairing shifts each cycle)."""
+    so that each backend runs both (with an even number of backends, the pairing shifts each cycle),
+    and the model replicated for one such cycle of every pair, then sharded (FSDP2) for the next."""
     backends = ["c10d", "etcd", "netns"] if netns else ["c10d", "etcd"]
     i = 0
     while True:
         which = backends[i % len(backends)]
         reform = (i + (i // len(backends) if len(backends) % 2 == 0 else 0)) % 2 == 1
+        sharded = (i // (2 * len(backends))) % 2 == 1
         job_seed = seed * 1000 + i
         if which == "c10d":
-            yield JobSpec(backend="c10d", seed=job_seed, faults=per_job, kinds=LOOPBACK_KINDS, reform=reform)
+            yield JobSpec(backend="c10d", seed=job_seed, faults=per_job, kinds=LOOPBACK_KINDS, reform=reform,
+                          sharded=sharded)
         elif which == "etcd":
             yield JobSpec(backend="etcd", seed=job_seed, faults=per_job, kinds=(*LOOPBACK_KINDS, "etcd_kill"),
-                          reform=reform)
+                          reform=reform, sharded=sharded)
         else:
             yield JobSpec(backend="etcd", seed=job_seed, faults=per_job, netns=True,
-                          kinds=(*LOOPBACK_KINDS, "etcd_kill", "partition"), reform=reform)
+                          kinds=(*LOOPBACK_KINDS, "etcd_kill", "partition"), reform=reform, sharded=sharded)
         i += 1
 
 
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return until_failure(a, netns)
     started = time.monotonic()
     results: list[RunResult] = []
-    reference = functools.cache(reference_sha)  # one failure-free run per world, epochs, samples, batch
+    reference = functools.cache(reference_sha)  # one failure-free run per world, epochs, samples, batch, model
     done = 0
     last_job = 0.0
     note = ""
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 def until_failure(a: argparse.Namespace, netns: bool) -> int:
     """Jobs with new seeds until one fails or the time is spent (see the module docstring)."""
     started = time.monotonic()
-    reference = functools.cache(reference_sha)  # one failure-free run per world, epochs, samples, batch
+    reference = functools.cache(reference_sha)  # one failure-free run per world, epochs, samples, batch, model
     jobs = faults = 0
     last_job = 0.0
     seeds: list[int] = []

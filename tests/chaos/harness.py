@@ -51,6 +51,8 @@ class JobSpec:
     start_method: str = "fork"
     #: Train through ``et.run``: survivors of a change re-form in their process instead of restarting.
     reform: bool = False
+    #: Shard the trainer's model with FSDP2: every rank snapshots its shard, restores reshard.
+    sharded: bool = False
     netns: bool = False
     samples: int = 96
     batch: int = 4
@@ -81,9 +83,9 @@ class JobSpec:
 
     @property
     def name(self) -> str:
-        """``c10d et.run seed 3``: backend, namespaces, trainer and seed."""
-        return (f"{self.backend}{' netns' if self.netns else ''}{' et.run' if self.reform else ''} "
-                f"seed {self.seed}")
+        """``c10d et.run FSDP2 seed 3``: backend, namespaces, trainer, model and seed."""
+        return (f"{self.backend}{' netns' if self.netns else ''}{' et.run' if self.reform else ''}"
+                f"{' FSDP2' if self.sharded else ''} seed {self.seed}")
 
 
 @dataclass
@@ -291,6 +293,7 @@ class ChaosJob(FaultInjection):
             str(TRAINER), "--out", str(self.out), "--ckpt", str(self.work / "ckpt"), "--every", "50",
             "--hold-file", str(self.hold), "--pace", str(s.pace), "--samples", str(s.samples),
             "--batch", str(s.batch), *(["--reform"] if s.reform else []),
+            *(["--sharded"] if s.sharded else []),
         ]  # fmt: skip
 
     def start_node(self, node: Node) -> None:

@@ -29,11 +29,11 @@ from tests.chaos import records, verify
 from tests.chaos.harness import REPO, TRAINER, ChaosJob, JobSpec, RunResult
 
 
-def run_job(spec: JobSpec, reference: Callable[[int, int, int, int], str] | None = None) -> RunResult:
+def run_job(spec: JobSpec, reference: Callable[[int, int, int, int, bool], str] | None = None) -> RunResult:
     """Run one chaos job end to end and check the invariants; everything is cleaned up.
 
-    ``reference(world, epochs, samples, batch)`` gives the failure-free parameters' SHA-256 that a job at a
-    fixed world size must end with: :func:`reference_sha` by default, or a cache of it, since the value
+    ``reference(world, epochs, samples, batch, sharded)`` gives the failure-free parameters' SHA-256 that a
+    job at a fixed world size must end with: :func:`reference_sha` by default, or a cache of it, since the value
     depends only on those four numbers."""
     result = RunResult(spec)
     started = time.monotonic()
@@ -65,7 +65,7 @@ def run_job(spec: JobSpec, reference: Callable[[int, int, int, int], str] | None
         expected = None
         if steps and result.worlds == [full] and (job.out / "final.json").exists():  # else nothing to compare
             epochs = max(r["e"] for recs in steps.values() for r in recs) + 1
-            expected = (reference or reference_sha)(full, epochs, spec.samples, spec.batch)
+            expected = (reference or reference_sha)(full, epochs, spec.samples, spec.batch, spec.sharded)
         result.checks.append(verify.final_parameters(job.out, steps, spec.samples, expected))
         unlogged = [f"{f.kind}@node{f.node}" for f in job.faults if not f.logged]
         result.checks.append(verify.Check("every fault and recovery in the logs", not unlogged,
@@ -85,15 +85,15 @@ def run_job(spec: JobSpec, reference: Callable[[int, int, int, int], str] | None
     return result
 
 
-def reference_sha(world: int, epochs: int, samples: int, batch: int) -> str:
-    """SHA-256 of the parameters of a failure-free run (one agent, ``world`` workers)."""
+def reference_sha(world: int, epochs: int, samples: int, batch: int, sharded: bool = False) -> str:
+    """SHA-256 of the parameters of a failure-free run (one agent, ``world`` workers; ``sharded``: FSDP2)."""
     import json
 
     work = Path(tempfile.mkdtemp(prefix="elastrun-chaos-ref-"))
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR")
     argv = [sys.executable, "-m", "elastrun", "--standalone", f"--nproc-per-node={world}", "--start-method=fork",
             "--preload=torch,elastrun.train", str(TRAINER), "--out", str(work), "--epochs", str(epochs),
-            "--samples", str(samples), "--batch", str(batch)]
+            "--samples", str(samples), "--batch", str(batch), *(["--sharded"] if sharded else [])]
     proc = warm.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                       start_new_session=True)
     try:

@@ -1,9 +1,10 @@
 """The short chaos form for CI: real agents, real workers, faults on a fixed seed, every invariant.
 
 About 2 minutes on 2 cores: 8 mixed faults with c10d on loopback and a trainer that runs through
-``et.run`` (survivors re-form in their process), 4 with a 3-member etcd cluster and the plain
-training loop (every worker restarted), and (root only) a partition across network namespaces,
-``et.run`` again.  The long form is ``tools/chaos.py``, which alternates the two trainers too.
+``et.run`` (survivors re-form in their process), the same with the model sharded by FSDP2, 4 with a
+3-member etcd cluster and the plain training loop (every worker restarted), and (root only) a
+partition across network namespaces, ``et.run`` again.  The long form is ``tools/chaos.py``, which
+alternates the two trainers and the two models too.
 """
 
 from __future__ import annotations
@@ -53,6 +54,17 @@ def test_c10d_mixed_faults_through_et_run(reference):
     assert len({f.kind for f in result.faults}) >= 4, result.summary()
     names = {c.name for c in result.checks}
     assert {"no committed step lost", "parameters bit-identical across the ranks of a group"} <= names
+
+
+def test_c10d_mixed_faults_on_a_sharded_model_through_et_run(reference):
+    """FSDP2: every rank snapshots its own shard and every change of the world size reshards the
+    state from memory (the last layer leaves all ranks but one an empty shard); the same invariants."""
+    result = run_job(JobSpec(backend="c10d", seed=3, faults=8, kinds=LOOPBACK, reform=True, sharded=True),
+                     reference)
+    _check(result)
+    _check_kept(result)
+    assert len({f.kind for f in result.faults}) >= 4, result.summary()
+    assert {2, 3} <= set(result.worlds), result.summary()  # resharded both ways
 
 
 @pytest.mark.etcd

@@ -20,6 +20,13 @@ With ``--reform`` the training body runs through ``et.run``: a worker that survi
 keeps its process (same PID, one more ``restore.<pid>.<generation>.json``) instead of being
 restarted.
 
+With ``--sharded`` the MLP is sharded with FSDP2 (``fully_shard`` per ``Linear`` and at the root),
+so every rank snapshots its own shard and each restore reshards the state to the new world size
+(the last layer's one-row weight and its bias leave every rank but one an empty shard).  FSDP2's
+reduce-scatter averages the gradients; the flag of the hold file goes in an all-reduce of its own.
+Parameters are hashed whole (``full_tensor``, a collective on every rank).  Under ``et.run`` the
+model is built and sharded on each new group, inside the body, and handed to ``State.attach``.
+
 Fault hooks: SIGUSR2 makes the worker ``exit(1)`` at once (the harness's "worker exit" fault).
 
 Length: with ``--hold-file``, training goes on (each step sleeping ``--pace`` s) for as long as
@@ -50,16 +57,34 @@ FEATURES = 8
 
 def build(samples: int) -> tuple[torch.utils.data.TensorDataset, torch.nn.Module, torch.optim.Optimizer]:
     """Dataset (sample id, x, y), model and optimizer: identical in every process and in the replay."""
-    torch.manual_seed(1234)
     g = torch.Generator().manual_seed(99)
     xs = torch.randn(samples, FEATURES, generator=g)
     ys = (xs @ torch.linspace(-1, 1, FEATURES, dtype=torch.float32)).unsqueeze(1) + 0.1 * torch.randn(
         samples, 1, generator=g
     )
     dataset = torch.utils.data.TensorDataset(torch.arange(samples), xs, ys)
-    net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    opt = torch.optim.SGD(net.parameters(), lr=0.02, momentum=0.9)
-    return dataset, net, opt
+    net = build_net()
+    return dataset, net, optimizer(net)
+
+
+def build_net() -> torch.nn.Module:
+    """The MLP, with the same initial parameters in every process and in the replay."""
+    torch.manual_seed(1234)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def optimizer(net: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(net.parameters(), lr=0.02, momentum=0.9)
+
+
+def shard(net: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 on the current group: each ``Linear``, then the root (in place; returns ``net``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    return fully_shard(net)
 
 
 def local_step(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -78,10 +103,15 @@ def apply_grad(net: torch.nn.Module, opt: torch.optim.Optimizer, flat: torch.Ten
     opt.step()
 
 
+def full_state(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters and buffers whole (a collective on every rank when sharded)."""
+    return {k: t.full_tensor() if hasattr(t, "full_tensor") else t for k, t in net.state_dict().items()}
+
+
 def digest(net: torch.nn.Module) -> str:
     h = hashlib.sha256()
-    for t in net.state_dict().values():
-        h.update(t.numpy().tobytes())
+    for t in full_state(net).values():
+        h.update(t.detach().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -101,6 +131,7 @@ def main() -> None:
     p.add_argument("--hold-file", default=None)
     p.add_argument("--max-epochs", type=int, default=10000, help="a bound on a held job")
     p.add_argument("--reform", action="store_true", help="train through et.run (in-process re-forms)")
+    p.add_argument("--sharded", action="store_true", help="shard the model with FSDP2")
     a = p.parse_args()
 
     signal.signal(signal.SIGUSR2, lambda *_: os._exit(1))
@@ -108,19 +139,38 @@ def main() -> None:
     dataset, net, opt = build(a.samples)
     sampler = et.ElasticSampler(dataset, batch_size=a.batch, seed=7)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
-    state = et.State(model=net, optimizer=opt, sampler=sampler, checkpoint_dir=a.ckpt, checkpoint_every=a.every,
-                     end_epoch=None if a.hold_file else a.epochs)
-    if a.reform:
+    end_epoch = None if a.hold_file else a.epochs
+    if a.reform and a.sharded:  # a sharded model belongs to its group: built again on each one
+        state = et.State(sampler=sampler, checkpoint_dir=a.ckpt, checkpoint_every=a.every, end_epoch=end_epoch)
+        built: dict[str, torch.nn.Module] = {}
+
+        def body(st: et.State) -> None:
+            built["net"] = net = shard(build_net())
+            opt = optimizer(net)
+            st.attach(net, opt)
+            train(a, out, net, opt, sampler, loader, st)
+
+        et.run(body, state)
+        net = built["net"]
+    elif a.reform:
+        state = et.State(model=net, optimizer=opt, sampler=sampler, checkpoint_dir=a.ckpt,
+                         checkpoint_every=a.every, end_epoch=end_epoch)
         et.run(lambda st: train(a, out, net, opt, sampler, loader, st), state)
     else:
         et.init_distributed()
+        if a.sharded:  # restarted on every change: sharded once, on the one group it has
+            net = shard(net)
+            opt = optimizer(net)
+        state = et.State(model=net, optimizer=opt, sampler=sampler, checkpoint_dir=a.ckpt,
+                         checkpoint_every=a.every, end_epoch=end_epoch)
         state.restore()
         train(a, out, net, opt, sampler, loader, state)
     state.flush()
+    whole, sha = full_state(net), digest(net)  # collectives when sharded: every rank
     if torch.distributed.get_rank() == 0:
         gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        torch.save(net.state_dict(), out / "final.pt")
-        (out / "final.json").write_text(json.dumps({"step": state.step, "g": gen, "sha256": digest(net)}))
+        torch.save(whole, out / "final.pt")
+        (out / "final.json").write_text(json.dumps({"step": state.step, "g": gen, "sha256": sha}))
     state.close()
 
 
@@ -139,12 +189,18 @@ def train(a: argparse.Namespace, out: Path, net: torch.nn.Module, opt: torch.opt
     try:
         while sampler.epoch < (state.end_epoch if state.end_epoch is not None else a.max_epochs):
             for idx, x, y in loader:
-                grad = local_step(net, x, y)
-                holding = bool(a.hold_file) and os.path.exists(a.hold_file)
-                flat = torch.cat([grad, torch.tensor([1.0 if holding else 0.0])])
-                torch.distributed.all_reduce(flat)
-                held = state.end_epoch is None and flat[-1].item() == world
-                apply_grad(net, opt, flat[:-1] / world)
+                holding = torch.tensor([1.0 if a.hold_file and os.path.exists(a.hold_file) else 0.0])
+                if a.sharded:  # FSDP2 averages the gradients in the backward's reduce-scatter
+                    opt.zero_grad(set_to_none=True)
+                    torch.nn.functional.mse_loss(net(x), y).backward()
+                    torch.distributed.all_reduce(holding)
+                    opt.step()
+                else:
+                    flat = torch.cat([local_step(net, x, y), holding])
+                    torch.distributed.all_reduce(flat)
+                    apply_grad(net, opt, flat[:-1] / world)
+                    holding = flat[-1:]
+                held = state.end_epoch is None and holding.item() == world
                 if state.end_epoch is None and not held:
                     state.end_epoch = sampler.epoch + 1
                 record = {"g": gen, "s": state.step + 1, "e": sampler.epoch, "w": world, "r": rank,
