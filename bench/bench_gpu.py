@@ -404,6 +404,9 @@ def main() -> None:
     p.add_argument("--rates", action=argparse.BooleanOptionalAction, default=True, help="the raw copy rates")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    if not torch.cuda.is_available():
+        p.exit(2, f"bench_gpu.py: no CUDA device here (torch {torch.__version__}): run it on a GPU machine, "
+                  "e.g. through tools/gpu_check.sh\n")
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": []}
 
     def save() -> None:

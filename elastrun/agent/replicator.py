@@ -211,6 +211,8 @@ class Replicator:
         if req is None:
             path.unlink(missing_ok=True)
             return
+        for gone in set(self._conns) - set(req.targets):  # a re-form changed the targets: a node that left
+            self._drop(gone)  # or died would otherwise keep its connection open for the agent's whole life
         began = time.monotonic()
         errors = []
         for target in req.targets:

@@ -244,8 +244,8 @@ class SnapshotServer:
         if nbytes + HEADROOM > free:
             raise _Refused(f"no room for a {nbytes}-byte replica in node memory ({free} bytes free)")
         directory = self.dir / REPLICAS / src
-        directory.mkdir(parents=True, exist_ok=True)
-        with self._put_lock:
+        with self._put_lock:  # _retire removes the directories it empties, under this lock
+            directory.mkdir(parents=True, exist_ok=True)
             name = self._claim(directory, kind, rank)
             wire.send_msg(conn, {"ok": True})
             crcs = self._receive(conn, directory / f"{name}.data", nbytes, block)
@@ -301,9 +301,12 @@ class SnapshotServer:
             os.close(fd)
 
     def _retire(self, kind: str, rank: int) -> None:
-        """Keep the :data:`KEEP_STEPS` newest replicas of ``(kind, rank)`` over every source."""
+        """Keep the :data:`KEEP_STEPS` newest replicas of ``(kind, rank)`` over every source, and remove
+        the directories of sources left with none (emptied here, or by the workers' pruning of older
+        world sizes): one per node that ever sent a copy would otherwise pile up over a long job."""
         found = []
-        for d in replica_dirs(self.dir):
+        dirs = replica_dirs(self.dir)
+        for d in dirs:
             for slot in range(KEEP_STEPS):
                 n = f"{kind}.r{rank}.{slot}"
                 sums = Sums.read(d / f"{n}.sum")
@@ -312,6 +315,11 @@ class SnapshotServer:
         for _, d, n in sorted(found, reverse=True)[KEEP_STEPS:]:
             for suffix in (".meta", ".sum", ".data"):
                 (d / f"{n}{suffix}").unlink(missing_ok=True)
+        for d in dirs:
+            try:
+                d.rmdir()  # only when empty; puts make theirs under the same lock
+            except OSError:
+                pass
 
 
 class SnapshotService(NodeService):

@@ -9,13 +9,14 @@ import os
 import socket
 import time
 
+import psutil
 import pytest
 import torch
 
 from elastrun.agent.replicator import Replicator
 from elastrun.agent.snapserver import SnapshotServer, snapshot_key
 from elastrun.shared import snapshot_wire as wire
-from elastrun.shared.replicas import BLOCK, PushRequest, PushStatus, push_path, status_path
+from elastrun.shared.replicas import BLOCK, REPLICAS, PushRequest, PushStatus, push_path, status_path
 from elastrun.train.sharded import slots
 from elastrun.train.sharded.layout import lay_out
 from elastrun.train.snapclient import Get, SnapshotClient, writable
@@ -120,6 +121,38 @@ def test_the_two_newest_replicas_of_a_rank_are_kept(servers):
         mem.close()
     rep.close()
     assert sorted(f.step for f in slots.scan_node(b.dir, "job")) == [2, 3]
+
+
+def _connections_to(address: str) -> int:
+    port = wire.split_address(address)[1]
+    return sum(1 for c in psutil.Process().net_connections("tcp")
+               if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+
+
+def test_a_node_that_is_no_longer_a_target_loses_its_connection_and_an_emptied_source_its_directory(servers):
+    """After a re-form the copies go elsewhere: the replicator closes its connection to a node that is no
+    longer a target (a lost node's would otherwise stay open, half-closed, for the agent's whole life),
+    and a receiver removes the directory of a source none of whose replicas it keeps any more."""
+    a, x, b, c = servers("a"), servers("x"), servers("b"), servers("c")
+    rep = Replicator(a.dir, KEY, "node-a", warn=pytest.fail)
+    other = Replicator(x.dir, KEY, "node-x", warn=pytest.fail)
+    mem, slot, crc, _ = publish(x.dir, 0, 1, 1000)
+    PushRequest("shard", 0, mem.name(slot), 1, 2, mem.scan()[0].header["nbytes"], crc, [c.address]).write(x.dir)
+    assert other.push(push_path(x.dir, "shard", 0)).ok
+    mem.close()
+    other.close()
+    for step, target in ((2, b), (3, c), (4, c)):
+        mem, slot, crc, _ = publish(a.dir, 0, step, 1000)
+        PushRequest("shard", 0, mem.name(slot), step, 2, mem.scan()[0].header["nbytes"], crc,
+                    [target.address]).write(a.dir)
+        assert rep.push(push_path(a.dir, "shard", 0)).ok
+        mem.close()
+        if step == 2:
+            assert _connections_to(b.address) == 1
+    assert (_connections_to(b.address), _connections_to(c.address)) == (0, 1)
+    rep.close()
+    assert sorted(f.step for f in slots.scan_node(c.dir, "job")) == [3, 4]
+    assert sorted(p.name for p in (c.dir / REPLICAS).iterdir()) == ["node-a"]
 
 
 def test_clients_without_the_token_read_nothing(servers):
