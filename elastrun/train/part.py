@@ -176,6 +176,9 @@ class Part(abc.ABC):
 
     #: What :meth:`prepare` returns for "go on with the restore".
     GO: Any = object()
+    #: What :meth:`prepare` returns for "nothing to restore now": under ``et.run`` the model comes
+    #: with ``State.attach()``, whose restore loads (and records) the state.
+    LATER: Any = object()
 
     #: Complete-looking checkpoints of this kind found by the last :meth:`report` (step -> candidate).
     disk: dict[int, DiskCandidate]
@@ -208,7 +211,8 @@ class Part(abc.ABC):
     # -- restore -------------------------------------------------------------------------------
     @abc.abstractmethod
     def prepare(self) -> Any:
-        """Before a restore: let the background writes finish; :attr:`GO`, or the restore's answer."""
+        """Before a restore: let the background writes finish; :attr:`GO`, :attr:`LATER`, or the
+        restore's answer."""
 
     @abc.abstractmethod
     def report(self) -> Any:

@@ -127,7 +127,7 @@ class ReplicatedPart(Part):
     def prepare(self) -> Any:
         o = self.objects
         if o.model is None and o.optimizer is None and reform.active():
-            return None  # under et.run a State without a model waits for attach() (no collective)
+            return self.LATER  # under et.run a State without a model waits for attach() (no collective)
         return self.GO
 
     def report(self) -> Report:

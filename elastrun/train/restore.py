@@ -23,7 +23,8 @@ from elastrun.train.part import Core, Objects, Part
 
 def run(core: Core, objects: Objects, part: Part) -> str | None:
     """Load the newest state every rank can reach; its source (``memory``, ``peer``, ``disk``,
-    ``live``) or None for a fresh start.  Collective (unless the part answers alone)."""
+    ``live``), None for a fresh start, or ``Part.LATER`` when ``State.attach()`` will do it.
+    Collective (unless the part answers alone)."""
     core.pipe.drain()
     core.abandon.set()
     try:

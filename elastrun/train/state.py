@@ -289,9 +289,12 @@ class State(Reformable):
         """
         began = time.time()
         with reform.section():
-            self.last_restore = restore.run(self._core, self._objects, self._part)
+            source = restore.run(self._core, self._objects, self._part)
+            later = source is Part.LATER
+            self.last_restore = None if later else source
             self.last_transfer = self._part.transfer
-            self._steplog.restored(began, self.step, self.last_restore)
+            if not later:  # else attach() restores, and records it: a record here would read as a fresh start
+                self._steplog.restored(began, self.step, self.last_restore)
         return self.last_restore
 
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str | None:

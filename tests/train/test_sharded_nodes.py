@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from elastrun.shared import steplog
 from tests.harness import free_port, listening
 from tests.train.harness import (
     assert_exactly_once,
@@ -135,7 +136,18 @@ def lose_and_join(work: Path, procs, nodes: int, extra: list[str], node_env: lis
     if reform:  # node A's worker is one process from the first round of N nodes to the end
         a_pids = {k: v["pid"] for k, v in sorted(got.items()) if v["agent"] == a.pid and k[0] >= full}
         assert len(set(a_pids.values())) == 1, f"node A's worker was restarted: PIDs {a_pids}\n{logs}"
+    assert not fresh_starts_later(work / "logs"), fresh_starts_later(work / "logs")
     assert_exactly_once(out, samples, epochs)
+
+
+def fresh_starts_later(log_dir: Path) -> list[str]:
+    """The workers' step records (``--log-dir``) that say "restored nothing" once the job had committed a
+    step: ``elastrun goodput`` would take every step before them as rolled back (a joiner under ``et.run``
+    recorded one when its State, made without a model, waited for ``attach()``)."""
+    logs = steplog.read_dirs([log_dir])
+    began = min(r.t2 for p in logs.values() for r in p.records if r.kind == steplog.STEP)
+    return [f"pid {pid}: {r}" for pid, p in logs.items() for r in p.records
+            if r.kind == steplog.RESTORE and r.source is None and r.t0 > began]
 
 
 def copied_step(out: Path, ranks: int) -> int:

@@ -245,7 +245,7 @@ class ShardedPart(Part):
                     "fn and hand it to state.attach(model, optimizer) (docs/train.md, Sharded states)"
                 )
             self.stale = True  # fn builds the model again on the new group and calls State.attach()
-            return None
+            return self.LATER
         return self.GO
 
     def report(self) -> ShardReport:
