@@ -6,6 +6,8 @@ import time
 
 import pytest
 
+from elastrun.observe.status_view import read_status
+from elastrun.rendezvous.api import RendezvousParameters
 from tests.agent.jobs import events, start_pair, steps_env
 from tests.harness import alive, base_env, free_port, listening, read_steps, wait_until
 
@@ -138,6 +140,12 @@ def test_peer_failing_from_a_stop_for_a_joiner_is_not_charged(agents, job, tmp_p
     assert "restarts used 0/0" in a0.output().split("round 2")[-1], agents.outputs()
 
 
+def _has_joined(job, round_: int, node: str) -> bool:
+    """Whether ``node`` has joined round ``round_`` of the job, read as ``elastrun status`` reads it."""
+    doc = read_status(RendezvousParameters(job.backend, job.endpoint, job.run_id, 1, 1), 3.0)
+    return doc["open_round"] == round_ and node in {w.get("node_id") for w in doc["waiting"]}
+
+
 def test_a_joiner_waiting_for_its_imports_joins_the_round_a_fault_starts(agents, job, tmp_path):
     """Nodes 0 and 1 train; node 2 starts with a 10 s ``--preload`` and defers its join.  Meanwhile
     node 1's agent is stopped (SIGSTOP: the round after a fault cannot close without it) and rank 0
@@ -165,6 +173,9 @@ def test_a_joiner_waiting_for_its_imports_joins_the_round_a_fault_starts(agents,
         wait_until(lambda: events(joiner_logs, "join_resumed"), 30, what="the joiner to join")
         (resumed,) = events(joiner_logs, "join_resumed")
         assert resumed["ended_by"] == "round forming", resumed
+        # Its join lands a moment after it decided to join: node 1 resumed before that would close the
+        # round with the two old members alone (seen once in a loaded run, when rank 0 was node 1's).
+        wait_until(lambda: _has_joined(job, 1, resumed["node"]), 30, what="the joiner's join in round 1")
         a1.kill(signal.SIGCONT)
         _three_stepping(steps_dir, (a0, a1, a2))
     except AssertionError as exc:
