@@ -108,9 +108,10 @@ def full_state(net: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: t.full_tensor() if hasattr(t, "full_tensor") else t for k, t in net.state_dict().items()}
 
 
-def digest(net: torch.nn.Module) -> str:
+def digest(net: torch.nn.Module, whole: dict[str, torch.Tensor] | None = None) -> str:
+    """SHA-256 of the parameters and buffers (``whole``: :func:`full_state` of ``net``, already gathered)."""
     h = hashlib.sha256()
-    for t in full_state(net).values():
+    for t in (whole if whole is not None else full_state(net)).values():
         h.update(t.detach().numpy().tobytes())
     return h.hexdigest()
 
@@ -166,7 +167,8 @@ def main() -> None:
         state.restore()
         train(a, out, net, opt, sampler, loader, state)
     state.flush()
-    whole, sha = full_state(net), digest(net)  # collectives when sharded: every rank
+    whole = full_state(net)  # a collective when sharded: every rank
+    sha = digest(net, whole)
     if torch.distributed.get_rank() == 0:
         gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         torch.save(whole, out / "final.pt")

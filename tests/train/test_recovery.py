@@ -11,7 +11,6 @@ import uuid
 import pytest
 
 from elastrun.shared import steplog
-from elastrun.shared.steplog import STEP
 from tests.harness import free_port, listening
 from tests.train.harness import (
     assert_exactly_once,
@@ -104,7 +103,7 @@ def test_preemption_checkpoints_and_restores_from_disk(work, procs, uninterrupte
     assert "Traceback" not in log, log[-3000:]
     # each rank's step log ends with that step (goodput counts it: it is committed and checkpointed)
     logs = steplog.read_dirs([work / "logs"]).values()
-    last = {p.pid: max(r.step for r in p.records if r.kind == STEP) for p in logs}
+    last = {p.pid: max(r.step for r in p.records if r.kind == steplog.STEP) for p in logs}
     assert sorted(last.values()) == [stop, stop], last
 
     rc = procs.run(standalone(second, ["--ckpt", str(ck), "--every", "5"]), work / "second.log")
