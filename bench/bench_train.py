@@ -3,14 +3,15 @@
 Measures, for MLPs of about 10M and 100M parameters trained with SGD + momentum:
 
 * the step time without elastrun.train, the step time with ``state.commit()`` after every step
-  (memory snapshot every ``k`` commits, ``--snapshot-every 1,4``), and the time ``commit()``
+  (memory snapshots at the default spacing, chosen from what they cost, and every ``k`` commits:
+  ``--snapshot-every default,1,4``), and the time ``commit()``
   itself blocks the training thread, from alternating blocks of ``4k`` steps without and with
   ``commit()`` (only one step in ``k`` pays for a copy); the overhead is the median over rounds
   of each pair's ratio, so that a shared VM's drift in speed does not land on one side;
 * for the 100M model, ``state.restore()`` from the node's memory, from a peer (two processes,
   one of them with an empty snapshot directory, over gloo) and from disk.
 
-Usage: ``python bench/bench_train.py [--sizes 10,100] [--snapshot-every 1,4] [--steps 16]``.
+Usage: ``python bench/bench_train.py [--sizes 10,100] [--snapshot-every default,1,4] [--steps 16]``.
 Prints a table.
 """
 
@@ -56,10 +57,11 @@ def step(model, opt, x) -> None:
     opt.step()
 
 
-def bench_commit(million: int, steps: int, work: Path, snapshot_every: int = 1) -> dict:
+def bench_commit(million: int, steps: int, work: Path, snapshot_every: int | None = 1) -> dict:
     """Blocks of steps without and with ``commit()``, alternated so that drift in the machine's
     speed (a shared VM) hits both alike; each commit block ends with ``flush()`` inside its timing,
-    so its last copy is charged to it rather than to the next plain block."""
+    so its last copy is charged to it rather than to the next plain block.  ``snapshot_every=None``:
+    the default spacing (blocks of 16 steps; the spacing chosen is reported as ``every``)."""
     model = make_model(million)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
@@ -68,11 +70,11 @@ def bench_commit(million: int, steps: int, work: Path, snapshot_every: int = 1) 
         model=model, optimizer=opt, checkpoint_dir=work / f"ck{million}", snapshot_dir=work / f"shm{million}",
         handle_signals=False, snapshot_every=snapshot_every,
     )  # fmt: skip
-    for _ in range(4 * snapshot_every + 1):  # first copies allocate the slots' pages
+    block = 4 * (snapshot_every or 4)
+    for _ in range(block + 1):  # first copies allocate the slots' pages (and the default's spacing is measured)
         step(model, opt, x)
         state.commit()
     state.flush()
-    block = 4 * snapshot_every
     plain_s = commit_s = commit_call_s = 0.0
     ratios = []
     rounds = max(3, -(-steps // block))
@@ -100,6 +102,7 @@ def bench_commit(million: int, steps: int, work: Path, snapshot_every: int = 1) 
     b, w = plain_s / n, commit_s / n
     return {
         "snapshot_every": snapshot_every,
+        "every": state._pipe.every_now,  # the spacing in force at the end (chosen, or the explicit one)
         "params": params,
         "state_mb": (params * 2 * 4) / 2**20,
         "step": b,
@@ -143,7 +146,8 @@ def bench_peer(million: int, work: Path) -> tuple[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", default="10,100", help="model sizes in millions of parameters")
-    p.add_argument("--snapshot-every", default="1,4", help="values of State(snapshot_every=...) to compare")
+    p.add_argument("--snapshot-every", default="default,1,4",
+                   help="values of State(snapshot_every=...) to compare; default: None, the chosen spacing")
     p.add_argument("--steps", type=int, default=16, help="steps of each kind (at least 2 blocks of 4k)")
     p.add_argument("--peer-worker", nargs=3, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -161,12 +165,13 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|")
         sizes = [int(s) for s in a.sizes.split(",")]
         for m in sizes:
-            for k in [int(v) for v in a.snapshot_every.split(",")]:
+            for k in [None if v == "default" else int(v) for v in a.snapshot_every.split(",")]:
                 r = bench_commit(m, a.steps, work, k)
                 shutil.rmtree(disk / f"ck{m}", ignore_errors=True)
                 shutil.move(str(work / f"ck{m}"), str(disk / f"ck{m}"))
+                every = k if k else f"default (chose {r['every']})"
                 print(
-                    f"| {r['params'] / 1e6:.1f}M | {r['state_mb']:.0f} MiB | {k} | {r['step'] * 1e3:.0f} ms | "
+                    f"| {r['params'] / 1e6:.1f}M | {r['state_mb']:.0f} MiB | {every} | {r['step'] * 1e3:.0f} ms | "
                     f"{r['step_commit'] * 1e3:.0f} ms | {r['commit_call'] * 1e3:.1f} ms | "
                     f"{r['overhead'] * 100:+.1f} % | {r['checkpoint']:.2f} s |",
                     flush=True,

@@ -84,7 +84,7 @@ class Goodput:
     #: Measured while some node still ran (a figure "so far", not the job's final one).
     live: bool = False
     restore_sources: dict[str, float] = field(default_factory=dict)
-    #: The memory snapshots' latest spacing on a GPU: (every k steps, a step's device seconds, a
+    #: The memory snapshots' latest chosen spacing: (every k steps, a step's seconds, a
     #: snapshot's cost in seconds), or None (every commit, or not recorded).
     snapshots: tuple[int, float, float] | None = None
 

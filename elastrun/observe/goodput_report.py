@@ -114,7 +114,7 @@ def format_breakdown(gp: Goodput) -> str:
     if gp.snapshots is not None:
         every, step_s, cost_s = gp.snapshots
         share = f" = {cost_s / every / step_s * 100:.1f} % of a {step_s * 1e3:.1f} ms step" if step_s > 0 else ""
-        lines.append(f"snapshots: every {every} step(s), chosen from their cost on the GPU ({cost_s * 1e3:.1f} ms "
+        lines.append(f"snapshots: every {every} step(s), chosen from their measured cost ({cost_s * 1e3:.1f} ms "
                      f"each{share})")
     lines.append("")
     if not gp.faults:

@@ -29,6 +29,7 @@ import collections
 import ctypes
 import os
 import threading
+import time
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -148,6 +149,11 @@ class SnapshotCopy:
     def __init__(self, flat: Flattened, buffer: torch.Tensor, chunk_bytes: int = CHUNK_BYTES,
                  skip: Collection[int] = ()) -> None:  # fmt: skip
         self.device_indices: list[int] = []
+        #: Whether :meth:`start` handed the chunks to the helper (False: copied at once, or not yet).
+        self.background = False
+        #: Seconds from :meth:`start` to the last chunk copied (None until then).
+        self.seconds: float | None = None
+        self._began = 0.0
         self._chunks: list[_Chunk] = []
         base = buffer.data_ptr()
         for i, (tensor, entry) in enumerate(zip(flat.tensors, flat.entries, strict=True)):
@@ -168,9 +174,11 @@ class SnapshotCopy:
     def start(self) -> None:
         """Hand the chunks to the idle-priority helper thread (a copy under :data:`HELPER_MIN_BYTES`: copy
         them now)."""
+        self._began = time.perf_counter()
         if sum(c.nbytes for c in self._chunks) < HELPER_MIN_BYTES:
             self._work()
         elif self._chunks:
+            self.background = True
             _IDLE_WORKER.give(self)
 
     def _work(self) -> None:
@@ -190,6 +198,7 @@ class SnapshotCopy:
             with self._cond:
                 self._done += 1
                 if self._done == len(self._chunks):
+                    self.seconds = time.perf_counter() - self._began
                     self._cond.notify_all()
 
     def finish(self) -> None:

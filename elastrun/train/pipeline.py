@@ -11,7 +11,8 @@ change.  How it copies depends on where the tensors live:
 * **host memory**: parameters and optimizer state are copied by the idle-priority helper while the
   next step's forward and backward run (``copier.py``); the optimizer's pre-hook finishes the copy
   on the training thread.  Every other tensor (buffers, extras: forward may change them) is cloned
-  in ``commit()``.
+  in ``commit()``.  What the training thread spends on a snapshot is timed, and by default
+  snapshots are spaced so that it stays within 5 % of the steps (``spacing.HostMeter``).
 * **a GPU**: the device's part goes on a side stream (``gpu/copy.py``): staged through a buffer on
   the card when it has room (the optimizer then waits only for that device-to-device copy), into
   slot memory page-locked ahead of time (``slotmem.py``).  Nothing blocks the training thread unless
@@ -51,6 +52,10 @@ from elastrun.train.snapshot import MemorySnapshots
 KEEP_SNAPSHOTS = 3
 #: Before the first measurement, a GPU snapshot is followed by this many steps without one.
 PROBE_STEPS = 8
+#: The same for a state in host memory copied in the background: every other commit, so that a crash
+#: meanwhile redoes at most one step (one small enough to be copied at once is never measured: every
+#: commit is snapshotted).
+HOST_PROBE_STEPS = 2
 
 
 class SnapshotPipeline:
@@ -74,7 +79,7 @@ class SnapshotPipeline:
         self._last = 0  # the step of the last snapshot decided
         #: Steps of the last snapshots (their RNG files are kept).
         self.kept: deque[int] = deque(maxlen=KEEP_SNAPSHOTS)
-        self.meter: spacing.Meter | None = None
+        self.meter: spacing.Meter | spacing.HostMeter = spacing.HostMeter()  # host memory until use()
         self.every_now = every or 1
         self.said = ""  # the spacing line last logged
         self.said_every = 0
@@ -94,22 +99,24 @@ class SnapshotPipeline:
             self.drain()
             self.device = dev
             self._staging = None
-            self.meter = spacing.Meter(dev.seconds, dev.done) if dev is not None else None
+            self.meter = spacing.Meter(dev.seconds, dev.done) if dev is not None else spacing.HostMeter()
 
     # -- the commit --------------------------------------------------------------------------
     def settle(self) -> None:
         """At the start of ``commit()``: a host state's last snapshot is published first (as before
         every copy); a GPU state's is not waited for, only its failure is raised."""
         if self.device is None:
-            self.drain()
+            self.before_step()  # (the optimizer's pre-hook has done it, unless there is no optimizer)
+            began = time.perf_counter()
+            self._writer.wait()  # the last snapshot's publication
+            self._stalled(began)
         elif not self._writer.busy():
             self._writer.wait()  # re-raises a failed job's error; returns at once
 
     def mark_step(self) -> None:
-        """At each commit of a GPU state: an event on the training stream, for the step times."""
-        if self.device is not None and self.meter is not None:
-            self.meter.step(self.device.record())
-            self._respace()
+        """At each commit: the step's end for the meter (on a GPU, an event on the training stream)."""
+        self.meter.step(self.device.record() if self.device is not None else None)
+        self._respace()
 
     def propose(self) -> tuple[bool, int]:
         """This rank's view of the next snapshot: whether it could not start one now (the last copy
@@ -140,17 +147,21 @@ class SnapshotPipeline:
 
     def _respace(self) -> None:
         meter = self.meter
-        if self.explicit is not None or meter is None:
+        if self.explicit is not None:
             return
         every = meter.every()
         if every is None:
-            self.every_now = PROBE_STEPS
+            if self.device is not None:
+                self.every_now = PROBE_STEPS
+            else:
+                self.every_now = HOST_PROBE_STEPS if isinstance(meter, spacing.HostMeter) and meter.measuring else 1
             return
         self.every_now = every
-        line = spacing.describe(every, meter.nbytes, meter.step_s, meter.cost_s or 0.0, meter.copy_s, meter.staged)
         settled = meter.samples >= 3
         moved = self.said_every and not self.said_every // 2 <= every <= 2 * self.said_every
         if (settled and not self.said) or moved:  # said once, and again only when it halves or doubles
+            line = spacing.describe(every, meter.nbytes, meter.step_s, meter.cost_s or 0.0, meter.copy_s,
+                                    meter.staged, host=self.device is None)  # fmt: skip
             self.said, self.said_every = line, every
             if os.environ.get("RANK", "0") == "0":
                 print(f"elastrun.train: {line}", file=sys.stderr, flush=True)
@@ -204,8 +215,7 @@ class SnapshotPipeline:
         device_copy = DeviceCopy(dev, flat, on_device, buf, self._staging_for(flat, on_device))
         pinned = mem.pinned_memory(slot)
         device_copy.start(pinned)
-        if self.meter is not None:
-            self.meter.started(device_copy, device_copy.nbytes, device_copy.staging is not None)
+        self.meter.started(device_copy, device_copy.nbytes, device_copy.staging is not None)
         host_copy.start()
         self._copy, self._device_copy, self._guarded = host_copy, device_copy, False
 
@@ -245,6 +255,8 @@ class SnapshotPipeline:
             return True
         copy.start()
         self._copy = copy
+        if copy.background:
+            self.meter.started(copy, flat.nbytes, False)
         self._writer.submit(complete)
         return True
 
@@ -290,7 +302,10 @@ class SnapshotPipeline:
         host copy is finished on this thread; the device copy is waited for on the device."""
         copy, self._copy = self._copy, None
         if copy is not None:
+            began = time.perf_counter()
             copy.finish()
+            if self.device is None:
+                self._stalled(began)
         job = self._device_copy
         if job is not None and not self._guarded:
             while job.staged is None:  # pageable and direct: the helper copies, this thread waits
@@ -302,6 +317,11 @@ class SnapshotPipeline:
             self._guarded = True
         elif copy is not None and copy.device_indices and self.device is None:
             self._writer.wait()  # device tensors of a host state are copied by the writer job itself
+
+    def _stalled(self, began: float) -> None:
+        """The training thread waited for a host snapshot from ``began`` until now."""
+        if isinstance(self.meter, spacing.HostMeter):
+            self.meter.stalled(time.perf_counter() - began)
 
     def drain(self) -> None:
         """Wait until the last snapshot is copied and published (and raise its failure)."""
@@ -321,8 +341,7 @@ class SnapshotPipeline:
 
     def reset(self) -> None:
         """After a re-form: step times start again (the group, and perhaps the rank, changed)."""
-        if self.meter is not None:
-            self.meter.reset()
+        self.meter.reset()
 
 
 def _completion(mem: MemorySnapshots, claimed: tuple[int, torch.Tensor, memoryview], header: dict[str, Any],

@@ -110,13 +110,13 @@ class ReplicatedPart(Part):
         assert core.ckpt is not None
         core.pipe.drain()
         core.pipe.persister.wait()
-        if core.local_rank == 0 and not any(i.step == step for i in core.mem.scan()):
+        if core.local_rank == 0 and core.mem.written(step) is None:
             self.snapshot(persist=False, stop=False, background=False)  # a step the spacing skipped
         if core.rank == 0:
-            infos = [i for i in core.mem.scan() if i.step == step]
-            if not infos:
+            info = core.mem.written(step)
+            if info is None:
                 raise RuntimeError(f"no memory snapshot of step {step} to checkpoint; commit() first")
-            self.persist(infos[0].slot, infos[0].header, must=True)
+            self.persist(info.slot, info.header, must=True)
         else:
             payload = core.mem.read_rng(core.rank, step) or b""
             ckpt, rank = core.ckpt, core.rank

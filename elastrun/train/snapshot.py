@@ -323,6 +323,13 @@ class MemorySnapshots:
         with self._lock:
             self._pinned.discard(slot)
 
+    def written(self, step: int) -> SlotInfo | None:
+        """A complete snapshot of ``step`` that this process wrote (one it can persist), or None.  A
+        snapshot left by an earlier process under the same step number is not one."""
+        with self._lock:
+            own = set(self._maps)
+        return next((i for i in self.scan() if i.step == step and i.slot in own), None)
+
     def data_view(self, slot: int, nbytes: int) -> memoryview:
         """The bytes of a slot this process wrote (for persisting it to disk)."""
         m = self._maps[slot]

@@ -5,9 +5,10 @@ snapshot of the state, which a crash restores from, is taken every ``k`` commits
 the steps since the last one, at most ``k - 1``.
 
 * ``State(snapshot_every=k)`` sets ``k``.
-* By default (``snapshot_every=None``) ``k`` is 1 for a state in host memory (the copy runs at
-  idle priority on the CPU, see ``copier.py``), and, for a state on a GPU, the smallest ``k`` that
-  keeps what snapshots cost within :data:`BUDGET` of the training time (:func:`choose_every`).
+* By default (``snapshot_every=None``) ``k`` is the smallest that keeps what snapshots cost within
+  :data:`BUDGET` of the training time (:func:`choose_every`), measured as training runs, for a
+  state on a GPU and in host memory alike.  A host state small enough to be copied at once in
+  ``commit()`` (under 1 MiB, tens of microseconds) is never measured: ``k`` stays 1.
 
 What a GPU snapshot costs is measured, not modelled: each commit records an event on the
 training stream, so the device time of every step is known; a step that overlapped a snapshot's
@@ -16,12 +17,21 @@ it) is compared with the median of recent steps that did not.  The sum of the di
 most the copy's own duration (and at least the optimizer's wait for it), is what one snapshot
 cost (:class:`Meter`).  A time between commits over :data:`OUTLIER` clean steps is a pause of
 the program, not a step, and counts for nothing.
+
+In host memory the same comparison runs on the training thread's clock (:class:`HostMeter`): the
+step after a commit that started a snapshot (the idle-priority helper of ``copier.py`` copies
+beside it, and the training thread finishes the copy before ``optimizer.step()``) against the
+median of steps that overlapped none; at least what the training thread itself waited.  Before
+the first measurement a snapshot is followed by one step without one.  Where the step leaves a core
+idle the helper copies in that time and costs about nothing: ``k`` comes out 1.  Where it keeps
+every core busy the copy costs the step its length and more (memory bandwidth, caches).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -54,14 +64,20 @@ def choose_every(step_s: float, cost_s: float, copy_s: float, staged: bool, budg
     return k
 
 
-def describe(every: int, nbytes: int, step_s: float, cost_s: float, copy_s: float, staged: bool) -> str:
-    """One line saying the spacing chosen and why (logged once, and in the goodput breakdown)."""
+def describe(every: int, nbytes: int, step_s: float, cost_s: float, copy_s: float, staged: bool,
+             host: bool = False) -> str:  # fmt: skip
+    """One line saying the spacing chosen and why (logged once, and in the goodput breakdown);
+    ``host``: a state in host memory (no device copy to describe)."""
     rate = nbytes / copy_s / 1e9 if copy_s > 0 else 0.0
     share = cost_s / every / step_s * 100 if step_s > 0 else 0.0
     redo = (every - 1) * step_s
-    line = (f"snapshots every {every} step(s): {nbytes / 1e9:.2f} GB copied in {copy_s * 1e3:.0f} ms "
-            f"({rate:.0f} GB/s, {'staged on the device' if staged else 'direct'}), costing {cost_s * 1e3:.1f} ms "
-            f"each = {share:.1f} % of a {step_s * 1e3:.1f} ms step; a crash redoes at most {redo:.2f} s")  # fmt: skip
+    if host:
+        what = f"{nbytes / 1e9:.2f} GB copied in host memory in {copy_s * 1e3:.0f} ms beside the step, costing it"
+    else:
+        what = (f"{nbytes / 1e9:.2f} GB copied in {copy_s * 1e3:.0f} ms ({rate:.0f} GB/s, "
+                f"{'staged on the device' if staged else 'direct'}), costing")  # fmt: skip
+    line = (f"snapshots every {every} step(s): {what} {cost_s * 1e3:.1f} ms each = {share:.1f} % of a "
+            f"{step_s * 1e3:.1f} ms step; a crash redoes at most {redo:.2f} s")  # fmt: skip
     if redo > REDO_S:
         line += f" (over {REDO_S:.0f} s: the {BUDGET * 100:.0f} % budget needs it at this state size)"
     return line
@@ -164,3 +180,98 @@ class Meter:
         """Forget the step events (a re-form: the training stream's history no longer compares)."""
         self._events.clear()
         self._snaps.clear()
+
+
+class HostMeter:
+    """Step times and snapshot costs of a state in host memory, on the training thread's clock.
+
+    The pipeline calls :meth:`step` at every commit, :meth:`started` when a commit handed a
+    snapshot's copy to the background, and :meth:`stalled` with each wait of the training thread
+    for that copy (finishing it before ``optimizer.step()``, its publication at the next commit).
+    A snapshot overlaps the one step after the commit that started it; that step's time beyond the
+    median of recent steps that overlapped none is its cost: at most the copy's own duration (what
+    the step lost beyond it was something else: a pause of the program, noise), at least the waits.
+    (The waits alone miss most of it: where the helper copies beside the step, the step pays in
+    memory bandwidth and caches, not in waiting.)  Same fields and :meth:`every` as :class:`Meter`, so
+    that the pipeline and the step log read either.
+    """
+
+    WINDOW = Meter.WINDOW
+    RECENT = Meter.RECENT
+    #: Snapshots not counted at first: they fault in the pages of slots written for the first time
+    #: (three slots, four with a checkpoint directory: ``snapshot.slots_needed``); the steps between
+    #: them are not counted either (a process's first steps are slower: allocations, first touches).
+    WARM = 4
+    #: Clean steps needed before a spacing is chosen (one slow step must not make every snapshot look free).
+    MIN_CLEAN = 3
+    #: At a spacing of 1 no step is clean: after this many commits without one, the next snapshot
+    #: is put off by one commit, so that the clean steps' time follows the job (a slower host, a
+    #: new world size) and the spacing cannot stay at 1 on a stale figure.
+    REPROBE = 32
+
+    def __init__(self, clock: Any = time.perf_counter) -> None:
+        self._clock = clock
+        self._last: float | None = None
+        self._stall = 0.0  # the training thread's waits for a snapshot since the last commit
+        self._pending = 0  # bytes of the snapshot the last commit started (0: none)
+        self._copy: Any = None  # its copy (``seconds``: its duration, once it is done)
+        self._seen = 0
+        self._since_clean = 0
+        self._clean: deque[float] = deque(maxlen=self.WINDOW)
+        self._costs: deque[float] = deque(maxlen=self.RECENT)
+        self._copies: deque[float] = deque(maxlen=self.RECENT)
+        #: Whether a snapshot was ever copied in the background (else none is measured: every commit's is taken).
+        self.measuring = False
+        self.step_s = 0.0
+        self.cost_s: float | None = None
+        self.copy_s = 0.0  # how long a snapshot's copy takes (median of the recent ones)
+        self.nbytes = 0
+        self.staged = False
+        self.samples = 0
+
+    def stalled(self, seconds: float) -> None:
+        self._stall += max(0.0, seconds)
+
+    def step(self, _event: Any = None) -> None:
+        now = self._clock()
+        if self._last is not None:
+            self._classify(now - self._last)
+        self._last, self._stall, self._pending, self._copy = now, 0.0, 0, None
+
+    def _classify(self, seconds: float) -> None:
+        if not self._pending:
+            if self._seen < self.WARM or (self.step_s and seconds > OUTLIER * self.step_s):
+                return  # a first step, or a pause of the program (an evaluation, a checkpoint)
+            self._clean.append(seconds)
+            self.step_s = statistics.median(self._clean)
+            self._since_clean = 0
+            return
+        self._since_clean += 1
+        # A snapshot's step is not left out as a pause: a copy can cost many steps (a large state,
+        # short steps), and that is what must be measured; a pause there is capped by the copy's length.
+        self._seen += 1
+        copy_s = getattr(self._copy, "seconds", None)
+        if self._seen <= self.WARM or not self.step_s or copy_s is None:
+            return
+        self._costs.append(max(min(seconds - self.step_s, copy_s), self._stall))
+        self._copies.append(copy_s)
+        self.cost_s = statistics.median(self._costs)
+        self.copy_s = statistics.median(self._copies)
+        self.nbytes = self._pending
+        self.samples += 1
+
+    def started(self, copy: Any, nbytes: int, _staged: bool = False) -> None:
+        """The last commit handed ``copy`` (its ``seconds`` once done) of ``nbytes`` to the background."""
+        self._pending, self._copy = nbytes, copy
+        self.measuring = True
+
+    def every(self) -> int | None:
+        """The spacing the measurements so far ask for, or None before the first one."""
+        if self.cost_s is None or len(self._clean) < self.MIN_CLEAN:
+            return None
+        every = choose_every(self.step_s, self.cost_s, 0.0, staged=False)
+        return 2 if every == 1 and self._since_clean >= self.REPROBE else every
+
+    def reset(self) -> None:
+        """Forget the last commit's time (a re-form: the next interval is not a step)."""
+        self._last, self._stall, self._pending, self._copy = None, 0.0, 0, None

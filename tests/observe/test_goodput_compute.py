@@ -248,7 +248,7 @@ def test_the_snapshot_spacing_chosen_on_a_gpu_is_in_the_breakdown_and_changes_no
     assert gp.snapshots == (4, 0.06, 0.012) and plain.snapshots is None
     assert gp.good == pytest.approx(plain.good) and gp.badput == pytest.approx(plain.badput)
     assert len(gp.spans) == len(plain.spans)
-    assert "snapshots: every 4 step(s), chosen from their cost on the GPU (12.0 ms each = 5.0 % of a 60.0 ms step)" \
+    assert "snapshots: every 4 step(s), chosen from their measured cost (12.0 ms each = 5.0 % of a 60.0 ms step)" \
         in format_breakdown(gp)
 
 

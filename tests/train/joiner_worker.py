@@ -37,7 +37,9 @@ def main() -> None:
     torch.manual_seed(dist.get_rank() + 1)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(3)])  # 4 MiB weights, 4 KiB biases
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    state = et.State(model=model, optimizer=opt, snapshot_dir=snap, checkpoint_dir=ckpt or None, handle_signals=False)
+    # every commit snapshotted (the default would space a 24 MiB state's out): node 0 holds steps 4-6
+    state = et.State(model=model, optimizer=opt, snapshot_dir=snap, checkpoint_dir=ckpt or None, handle_signals=False,
+                     snapshot_every=1)
     if mode == "train":
         x = torch.randn(8, 1024)
         for i in range(6):

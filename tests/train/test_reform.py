@@ -96,6 +96,27 @@ def test_worker_crashes_survivor_keeps_process_bit_for_bit(work, procs, uninterr
     assert_exactly_once(out, SAMPLES, 2)
 
 
+def test_with_spaced_snapshots_the_survivors_live_step_is_sent_to_the_new_rank(work, procs, uninterrupted):
+    """Snapshots every 4 commits (as the default spacing makes them for a state whose copy costs the
+    step): rank 1 crashes after committing step 6, whose newest snapshot is step 4.  The survivor holds
+    step 6 live and sends it to the new rank ("peer"), so nothing is redone; the end equals an
+    uninterrupted run."""
+    expected = uninterrupted(["--ddp"])
+    out = work / "out"
+    out.mkdir()
+    args = ["--ddp", "--reform", "--snapshot-every", "4", "--crash=0:1:6:after"]
+    rc = procs.run(standalone(out, args, flags=("--max-restarts=1",)), work / "run.log")
+    log = (work / "run.log").read_text()
+    assert rc == 0, log[-3000:]
+    got = restores(out)
+    assert got[(1, 0)]["pid"] == got[(0, 0)]["pid"] and got[(1, 0)]["source"] == "live", got
+    assert got[(1, 1)]["pid"] != got[(0, 1)]["pid"], got
+    assert {got[(1, r)]["step"] for r in (0, 1)} == {6}, got
+    assert got[(1, 1)]["source"] == "peer", got
+    assert final(out) == expected, "parameters differ from the uninterrupted run"
+    assert_exactly_once(out, SAMPLES, 2)
+
+
 def test_spawned_workers_reform_too(work, procs, uninterrupted):
     """``--start-method spawn`` (no warm pool): the survivor keeps its process, the restarted rank is
     exec'd, and the result is still bit-for-bit the uninterrupted one."""

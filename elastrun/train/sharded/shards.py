@@ -230,9 +230,11 @@ class ShardedPart(Part):
         core.pipe.drain()
         core.pipe.persister.wait()
         mem = self.slots()
-        if not any(i.step == step for i in mem.scan()):
+        if mem.written(step) is None:
             self.snapshot(persist=False, stop=False, background=False)  # a step the spacing skipped
-        info = next(i for i in mem.scan() if i.step == step)
+        info = mem.written(step)
+        if info is None:
+            raise RuntimeError(f"no memory snapshot of step {step} to checkpoint; commit() first")
         self._persist(info.slot, info.header, must=True)
         core.pipe.persister.wait()
 
