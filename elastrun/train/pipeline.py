@@ -11,8 +11,8 @@ change.  How it copies depends on where the tensors live:
 * **host memory**: parameters and optimizer state are copied by the idle-priority helper while the
   next step's forward and backward run (``copier.py``); the optimizer's pre-hook finishes the copy
   on the training thread.  Every other tensor (buffers, extras: forward may change them) is cloned
-  in ``commit()``.  What the training thread spends on a snapshot is timed, and by default
-  snapshots are spaced so that it stays within 5 % of the steps (``spacing.HostMeter``).
+  in ``commit()``.  What a snapshot costs the step beside it is timed, and by default snapshots
+  are spaced so that it stays within 5 % of the steps (``spacing.HostMeter``).
 * **a GPU**: the device's part goes on a side stream (``gpu/copy.py``): staged through a buffer on
   the card when it has room (the optimizer then waits only for that device-to-device copy), into
   slot memory page-locked ahead of time (``slotmem.py``).  Nothing blocks the training thread unless
