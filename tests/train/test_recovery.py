@@ -83,6 +83,28 @@ def test_sparse_snapshots_redo_lost_steps_bit_for_bit(work, procs, uninterrupted
     assert_exactly_once(crashed, SAMPLES, EPOCHS)
 
 
+def test_at_the_default_spacing_crashes_end_bit_for_bit_equal(work, procs, uninterrupted):
+    """A state of 2 MiB at the default spacing (chosen from what its snapshots cost: every other commit
+    until measured, then every k): each crash goes back to the newest snapshot, whatever k was then,
+    and redoes the steps since exactly, so the run ends equal to an uninterrupted one."""
+    crashed = work / "crashed"
+    crashed.mkdir()
+    seed = int(os.environ.get("ELASTRUN_TEST_SEED", random.randrange(1 << 30)))
+    rnd = random.Random(seed)
+    crashes = [f"{i}:{rnd.randrange(2)}:{s}:after" for i, s in enumerate(sorted(rnd.sample(range(3, STEPS), 2)))]
+    cmd = standalone(crashed, ["--ddp", "--wide", "--snapshot-every", "0", *[f"--crash={c}" for c in crashes]],
+                     flags=("--max-restarts=2", "--crash-loop-limit=0"))
+    rc = procs.run(cmd, work / "crashed.log")
+    assert rc == 0, f"seed {seed}, crashes {crashes}\n{(work / 'crashed.log').read_text()[-3000:]}"
+    got = restores(crashed)
+    for attempt, crash in enumerate(crashes, start=1):
+        step = int(crash.split(":")[2])
+        assert {got[(attempt, r)]["source"] for r in (0, 1)} == {"memory"}, (seed, crashes, got)
+        assert 1 <= got[(attempt, 0)]["step"] == got[(attempt, 1)]["step"] <= step, (seed, crashes, got)
+    assert final(crashed) == uninterrupted(["--ddp", "--wide"]), f"seed {seed}, crashes {crashes}: parameters differ"
+    assert_exactly_once(crashed, SAMPLES, EPOCHS)
+
+
 def test_preemption_checkpoints_and_restores_from_disk(work, procs, uninterrupted):
     """SIGTERM: the step in flight finishes, a checkpoint is made, workers exit 0; a new job
     (fresh node memory) restores from disk and ends equal to an uninterrupted run."""

@@ -49,7 +49,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--ckpt", default=None)
     p.add_argument("--every", type=int, default=0)
-    p.add_argument("--snapshot-every", type=int, default=1)
+    p.add_argument("--snapshot-every", type=int, default=1, help="0: the default spacing (chosen from the cost)")
+    p.add_argument("--wide", action="store_true", help="a model of 2 MiB of state (build_net)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--samples", type=int, default=96)
     p.add_argument("--batch", type=int, default=4)
@@ -79,7 +80,7 @@ def main() -> None:
     xs = torch.randn(a.samples, 8, generator=g)
     ys = torch.randn(a.samples, 1, generator=g)
     dataset = torch.utils.data.TensorDataset(torch.arange(a.samples), xs, ys)
-    net = build_net()
+    net = build_net(a.wide)
     if a.reform and a.fsdp:  # issue 24: the model is built and sharded on each group, inside train()
         sampler = et.ElasticSampler(dataset, batch_size=a.batch, seed=7)
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=a.workers)
@@ -88,7 +89,7 @@ def main() -> None:
 
         def body(st: et.State) -> bool | None:
             torch.manual_seed(1234)
-            built["net"] = fresh = build_net()
+            built["net"] = fresh = build_net(a.wide)
             model = fsdp(fresh, a.cuda)
             opt = torch.optim.AdamW(model.parameters(), lr=0.01)
             st.attach(model, opt)
@@ -134,7 +135,12 @@ def pause_from(path: str) -> float:
     return int(text) if text else 0
 
 
-def build_net() -> torch.nn.Module:
+def build_net(wide: bool = False) -> torch.nn.Module:
+    """The model; ``wide``: 2 MiB of state with SGD momentum instead of a few hundred bytes (over the 1 MiB
+    from which a snapshot is copied in the background, and spaced by its measured cost by default)."""
+    if wide:
+        return torch.nn.Sequential(torch.nn.Linear(8, 512), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                   torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1))
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
 
 
@@ -198,7 +204,7 @@ def make_state(a: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.O
         sampler=sampler,
         checkpoint_dir=a.ckpt,
         checkpoint_every=a.every,
-        snapshot_every=a.snapshot_every,
+        snapshot_every=a.snapshot_every or None,
         losses=[],
     )
 
