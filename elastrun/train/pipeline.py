@@ -50,12 +50,6 @@ from elastrun.train.snapshot import MemorySnapshots
 
 #: Snapshots whose RNG files are kept whatever their age (a restore may need the previous one's).
 KEEP_SNAPSHOTS = 3
-#: Before the first measurement, a GPU snapshot is followed by this many steps without one.
-PROBE_STEPS = 8
-#: The same for a state in host memory copied in the background: every other commit, so that a crash
-#: meanwhile redoes at most one step (one small enough to be copied at once is never measured: every
-#: commit is snapshotted).
-HOST_PROBE_STEPS = 2
 
 
 class SnapshotPipeline:
@@ -151,10 +145,7 @@ class SnapshotPipeline:
             return
         every = meter.every()
         if every is None:
-            if self.device is not None:
-                self.every_now = PROBE_STEPS
-            else:
-                self.every_now = HOST_PROBE_STEPS if isinstance(meter, spacing.HostMeter) and meter.measuring else 1
+            self.every_now = meter.probe  # the spacing while there is nothing measured yet
             return
         self.every_now = every
         settled = meter.samples >= 3
@@ -304,8 +295,7 @@ class SnapshotPipeline:
         if copy is not None:
             began = time.perf_counter()
             copy.finish()
-            if self.device is None:
-                self._stalled(began)
+            self._stalled(began)
         job = self._device_copy
         if job is not None and not self._guarded:
             while job.staged is None:  # pageable and direct: the helper copies, this thread waits

@@ -105,6 +105,8 @@ class Meter:
 
     #: Clean steps kept for the median.
     WINDOW = 32
+    #: Before the first measurement, a snapshot is followed by this many steps without one.
+    probe = 8
     #: Snapshots whose figures make the median.
     RECENT = 5
 
@@ -228,6 +230,12 @@ class HostMeter:
         self.nbytes = 0
         self.staged = False
         self.samples = 0
+
+    @property
+    def probe(self) -> int:
+        """The spacing before the first measurement: every other commit, so that a crash meanwhile
+        redoes at most one step; every commit for a state never copied in the background."""
+        return 2 if self.measuring else 1
 
     def stalled(self, seconds: float) -> None:
         self._stall += max(0.0, seconds)
